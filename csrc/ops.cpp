@@ -1,0 +1,164 @@
+// The one file that sees at::Tensor: schemas, argument checks, device guards, and the translation
+// of tensors into the plain AdamLaunch that the ATen-free kernels take.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "fusedoff/launchers.h"
+
+#if defined(FUSEDOFF_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace fusedoff {
+namespace {
+
+DType storage_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: TORCH_CHECK(false, "fusedoff: ", what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_state(const at::Tensor& state, const at::Tensor& param, const char* what, int64_t index) {
+  TORCH_CHECK(state.scalar_type() == at::kFloat, "fusedoff: ", what, "[", index, "] must be float32, got ",
+              state.scalar_type());
+  TORCH_CHECK(state.device() == param.device(), "fusedoff: ", what, "[", index, "] is on ", state.device(),
+              " but its parameter is on ", param.device());
+  TORCH_CHECK(state.is_contiguous(), "fusedoff: ", what, "[", index, "] must be contiguous");
+  TORCH_CHECK(state.numel() == param.numel(), "fusedoff: ", what, "[", index, "] has ", state.numel(),
+              " elements but its parameter has ", param.numel());
+}
+
+void check_scalar(const std::optional<at::Tensor>& t, const at::Device& device, const char* what) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat, "fusedoff: ", what,
+              " must be a one-element float32 tensor");
+  TORCH_CHECK(t->device() == device, "fusedoff: ", what, " is on ", t->device(), " but the parameters are on ",
+              device);
+}
+
+// Validates a whole call before anything is written, then builds the launch description.
+AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                              at::TensorList master_params, at::TensorList steps, double lr, double beta1,
+                              double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
+                              bool amsgrad, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf, std::vector<AdamTensorPtrs>& ptrs) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
+                  exp_avg_sqs.size() == params.size() && steps.size() == params.size(),
+              "fusedoff: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length");
+  TORCH_CHECK(max_exp_avg_sqs.size() == (amsgrad ? params.size() : 0),
+              "fusedoff: max_exp_avg_sqs must have one tensor per parameter with amsgrad, none without");
+  TORCH_CHECK(master_params.empty() || master_params.size() == params.size(),
+              "fusedoff: master_params must be empty or have one tensor per parameter");
+  AdamLaunch launch{};
+  launch.num_tensors = n;
+  launch.amsgrad = amsgrad;
+  launch.has_master = !master_params.empty();
+  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
+  if (n == 0) return launch;
+
+  const at::Device device = params[0].device();
+  launch.param_dtype = storage_dtype(params[0], "params");
+  launch.grad_dtype = storage_dtype(grads[0], "grads");
+  check_scalar(grad_scale, device, "grad_scale");
+  check_scalar(found_inf, device, "found_inf");
+  ptrs.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(p.device() == device, "fusedoff: all params of one call must be on one device; params[", i,
+                "] is on ", p.device(), ", params[0] on ", device);
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
+    TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
+    storage_dtype(g, "grads");
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
+                "] must be contiguous");
+    TORCH_CHECK(!g.is_sparse(), "fusedoff: sparse gradients are not supported");
+    TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",
+                device);
+    TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), " elements but its parameter has ",
+                p.numel());
+    check_state(exp_avgs[i], p, "exp_avgs", i);
+    check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i);
+    if (amsgrad) check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i);
+    if (launch.has_master) check_state(master_params[i], p, "master_params", i);
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
+                "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
+    ptrs[i] = AdamTensorPtrs{p.data_ptr(),
+                             g.data_ptr(),
+                             exp_avgs[i].data_ptr<float>(),
+                             exp_avg_sqs[i].data_ptr<float>(),
+                             amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() : nullptr,
+                             launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                             steps[i].data_ptr<float>(),
+                             p.numel()};
+  }
+  launch.tensors = ptrs.data();
+  launch.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  return launch;
+}
+
+#define FUSEDOFF_ADAM_ARGS                                                                                        \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,             \
+      at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList steps, double lr, double beta1, \
+      double beta2, double eps, double weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize,    \
+      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
+#define FUSEDOFF_ADAM_FORWARD                                                                                    \
+  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, lr, beta1, beta2, eps,          \
+      weight_decay, decoupled_weight_decay, amsgrad, maximize, grad_scale, found_inf
+
+void adam_step_cpu_op(FUSEDOFF_ADAM_ARGS) {
+  std::vector<AdamTensorPtrs> ptrs;
+  AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
+  if (launch.num_tensors == 0) return;
+  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the cpu kernel got tensors on ", params[0].device());
+  launch.num_threads = at::get_num_threads();
+  adam_step_cpu(launch);
+}
+
+#if defined(FUSEDOFF_WITH_CUDA)
+void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
+  std::vector<AdamTensorPtrs> ptrs;
+  AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
+  if (launch.num_tensors == 0) return;
+  const c10::cuda::CUDAGuard device_guard(params[0].device());
+  launch.stream = at::cuda::getCurrentCUDAStream().stream();
+  adam_step_cuda(launch);
+}
+#endif
+
+}  // namespace
+}  // namespace fusedoff
+
+TORCH_LIBRARY(fusedoff, m) {
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fusedoff, CPU, m) { m.impl("adam_step_", &fusedoff::adam_step_cpu_op); }
+
+#if defined(FUSEDOFF_WITH_CUDA)
+TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) { m.impl("adam_step_", &fusedoff::adam_step_cuda_op); }
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fusedoff native kernels; the ops themselves are registered under torch.ops.fusedoff";
+  m.attr("torch_version") = std::string(TORCH_VERSION);
+#if defined(FUSEDOFF_WITH_CUDA)
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("cpu_isa", &fusedoff::cpu_isa_name, "instruction set the host kernels dispatch to on this CPU");
+}

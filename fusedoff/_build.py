@@ -1,0 +1,124 @@
+"""How to build ``fusedoff._C``: shared by ``setup.py`` (ahead of time) and ``_ext.py`` (JIT).
+
+This module imports nothing from torch or fusedoff so that ``setup.py`` can load it by path.
+
+Environment switches:
+  CUDA_HOME / CUDA_PATH       the CUDA toolkit root (honoured first)
+  FUSEDOFF_CUDA=0|1|auto      force the CUDA sources off / on (on: fail if no toolkit); default auto
+  TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0" (Ampere and Hopper)
+  MAX_JOBS                    parallel compile jobs (read by torch.utils.cpp_extension)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"
+EXTENSION_NAME = "fusedoff._C"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+CSRC_DIR = _PACKAGE_DIR.parent / "csrc"
+
+
+def _is_toolkit_root(path: Path) -> bool:
+    return (path / "bin" / "nvcc").is_file() and (path / "include" / "cuda_runtime.h").is_file()
+
+
+def _nvcc_wrapper_targets(nvcc: Path) -> list[Path]:
+    """Toolkit roots named inside an ``nvcc`` that is a small wrapper script (as on our CI machines)."""
+    try:
+        if nvcc.stat().st_size > 64 * 1024:
+            return []  # a real compiler binary, not a script
+        text = nvcc.read_text(errors="ignore")
+    except OSError:
+        return []
+    roots = []
+    for token in text.replace('"', " ").replace("'", " ").split():
+        if token.endswith("/bin/nvcc"):
+            roots.append(Path(token).parent.parent)
+    return roots
+
+
+def find_cuda_home() -> Path | None:
+    """The CUDA toolkit root, or None.
+
+    torch guesses the parent of the folder holding the ``nvcc`` on PATH; where that ``nvcc`` is a
+    wrapper script outside the toolkit the guess has no ``lib64/libcudart.so`` and links fail. So:
+    CUDA_HOME/CUDA_PATH if set, then the resolved ``nvcc`` (following symlinks and wrapper
+    scripts), then the conventional install folders; a candidate counts only if it holds both
+    ``bin/nvcc`` and ``include/cuda_runtime.h``.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value:
+            root = Path(value)
+            if not _is_toolkit_root(root):
+                raise RuntimeError(f"{var}={value} is not a CUDA toolkit (no bin/nvcc or include/cuda_runtime.h)")
+            return root
+    candidates: list[Path] = []
+    nvcc_on_path = shutil.which("nvcc")
+    if nvcc_on_path:
+        nvcc = Path(nvcc_on_path)
+        candidates.append(nvcc.resolve().parent.parent)
+        candidates.extend(_nvcc_wrapper_targets(nvcc))
+    candidates.append(Path("/usr/local/cuda"))
+    candidates.extend(Path(p) for p in sorted(glob.glob("/usr/local/cuda-*"), reverse=True))
+    for root in candidates:
+        if _is_toolkit_root(root):
+            return root.resolve()
+    return None
+
+
+def cuda_build_requested(cuda_home: Path | None) -> bool:
+    """Whether to compile the CUDA sources, from FUSEDOFF_CUDA and the toolkit found."""
+    mode = os.environ.get("FUSEDOFF_CUDA", "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode in ("1", "on", "true", "yes"):
+        if cuda_home is None:
+            raise RuntimeError("FUSEDOFF_CUDA=1 but no CUDA toolkit was found; set CUDA_HOME")
+        return True
+    if mode != "auto":
+        raise RuntimeError(f"FUSEDOFF_CUDA must be 0, 1 or auto, got {mode!r}")
+    return cuda_home is not None
+
+
+def prepare_cuda_environment(cuda_home: Path) -> None:
+    """Make torch.utils.cpp_extension use ``cuda_home`` (it reads CUDA_HOME once, at import)."""
+    os.environ["CUDA_HOME"] = str(cuda_home)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+    import sys
+
+    module = sys.modules.get("torch.utils.cpp_extension")
+    if module is not None:
+        module.CUDA_HOME = str(cuda_home)
+
+
+def sources(with_cuda: bool) -> list[str]:
+    files = [CSRC_DIR / "ops.cpp", *sorted((CSRC_DIR / "cpu").glob("*.cpp"))]
+    if with_cuda:
+        files += sorted((CSRC_DIR / "cuda").glob("*.cu"))
+    return [str(f) for f in files]
+
+
+def compile_args(with_cuda: bool) -> dict[str, list[str]]:
+    # -fno-math-errno lets sqrtf vectorise; no -ffast-math (it would change results) and no
+    # -march=native (the prebuilt extension must run on any CPU: the kernel picks its ISA at run time).
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno"]
+    defines = ["-DFUSEDOFF_WITH_CUDA"] if with_cuda else []
+    args = {"cxx": cxx + defines}
+    if with_cuda:
+        # No --use_fast_math: it flushes subnormals and approximates sqrt/div, breaking parity.
+        args["nvcc"] = ["-O3", "-lineinfo", *defines]
+    return args
+
+
+def include_dirs() -> list[str]:
+    return [str(CSRC_DIR / "include")]
+
+
+def link_args() -> list[str]:
+    return ["-fopenmp"]

@@ -1,0 +1,118 @@
+"""Loads the native extension: prebuilt ``fusedoff._C`` -> JIT build -> a deferred, clear error.
+
+Nothing here runs at ``import fusedoff``: the first call that needs a native backend (cpu or cuda)
+loads or builds the extension, once per process. When that fails, ``import fusedoff`` and the
+pure-PyTorch backend keep working and the native backends raise ``NativeExtensionUnavailable``
+naming what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import sys
+import time
+import types
+import warnings
+
+import torch
+
+from fusedoff import _build
+
+
+class NativeExtensionUnavailable(RuntimeError):
+    """The C++/CUDA extension could neither be imported nor built here."""
+
+
+def _import_prebuilt() -> tuple[types.ModuleType | None, str]:
+    try:
+        from fusedoff import _C  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"no usable prebuilt fusedoff._C ({exc})"
+    if _C.torch_version != torch.__version__.split("+")[0]:
+        warnings.warn(
+            f"fusedoff._C was built against torch {_C.torch_version} but torch {torch.__version__} is running; "
+            "rebuild it (pip install --no-build-isolation -e .) if anything misbehaves",
+            stacklevel=3,
+        )
+    return _C, ""
+
+
+def _jit_build(prebuilt_reason: str) -> types.ModuleType:
+    from torch.utils import cpp_extension
+
+    missing = []
+    if shutil.which("ninja") is None:
+        missing.append("ninja (pip install ninja)")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing.append("a C++ compiler (c++/g++)")
+    if not _build.CSRC_DIR.is_dir():
+        missing.append(f"the C++ sources (expected in {_build.CSRC_DIR}; install from a source checkout)")
+    if missing:
+        raise NativeExtensionUnavailable(
+            f"fusedoff: cannot build the native extension: missing {', '.join(missing)}; {prebuilt_reason}. "
+            "The pure-PyTorch backend (backend='torch') still works."
+        )
+
+    cuda_home = _build.find_cuda_home() if torch.version.cuda else None
+    with_cuda = torch.version.cuda is not None and _build.cuda_build_requested(cuda_home)
+    if with_cuda:
+        _build.prepare_cuda_environment(cuda_home)
+    # One build per torch (and CUDA) version, so a torch upgrade never reuses a stale binary.
+    version_tag = torch.__version__.replace(".", "_").replace("+", "_")
+    name = f"fusedoff_C_{version_tag}{'' if with_cuda else '_cpu'}"
+    args = _build.compile_args(with_cuda)
+    print(
+        f"fusedoff: building the native extension {name} (C++{' + CUDA' if with_cuda else ''}) "
+        "once into torch's extension cache...",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=_build.sources(with_cuda),
+            extra_include_paths=_build.include_dirs(),
+            extra_cflags=args["cxx"],
+            extra_cuda_cflags=args.get("nvcc"),
+            extra_ldflags=_build.link_args(),
+            with_cuda=with_cuda,
+        )
+    except Exception as exc:
+        raise NativeExtensionUnavailable(
+            f"fusedoff: building the native extension failed: {exc}. The pure-PyTorch backend (backend='torch') "
+            "still works."
+        ) from exc
+    print(f"fusedoff: built {name} in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return module
+
+
+@functools.cache
+def _load() -> tuple[types.ModuleType | None, NativeExtensionUnavailable | None]:
+    module, reason = _import_prebuilt()
+    if module is None:
+        try:
+            module = _jit_build(reason)
+        except NativeExtensionUnavailable as exc:
+            return None, exc
+    from fusedoff import ops
+
+    ops.register_fake_kernels()
+    return module, None
+
+
+def load_extension() -> types.ModuleType:
+    """The native module (building it on first use); raises NativeExtensionUnavailable."""
+    module, error = _load()
+    if error is not None:
+        raise error
+    return module
+
+
+def native_available() -> bool:
+    return _load()[1] is None
+
+
+def cuda_kernels_available() -> bool:
+    return native_available() and bool(load_extension().with_cuda)

@@ -1,0 +1,53 @@
+"""Choosing a backend for a device: the fastest one available, or the one the user named."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+
+import torch
+
+from fusedoff import _ext
+from fusedoff.ops import BACKENDS
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """The backend to run on ``device``; raises ValueError/NativeExtensionUnavailable if it cannot."""
+    if requested == "auto":
+        if device.type == "cuda":
+            if _ext.cuda_kernels_available():
+                return "cuda"
+            return "triton" if triton_available() else "torch"
+        if device.type == "cpu" and _ext.native_available():
+            return "cpu"
+        if device.type == "cpu":
+            _warn_native_missing()
+        return "torch"
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
+    if requested in ("cpu", "cuda"):
+        if device.type != requested:
+            raise ValueError(f"backend={requested!r} cannot update parameters on {device}")
+        _ext.load_extension()  # raises the clear error naming what is missing
+        if requested == "cuda" and not _ext.cuda_kernels_available():
+            raise _ext.NativeExtensionUnavailable(
+                "fusedoff: the native extension was built without CUDA kernels (no CUDA toolkit at build time); "
+                "rebuild with CUDA_HOME set, or use backend='triton' or 'torch'"
+            )
+    if requested == "triton" and not triton_available():
+        raise ValueError("backend='triton' needs the triton package")
+    return requested
+
+
+@functools.cache
+def _warn_native_missing() -> None:
+    warnings.warn(
+        f"fusedoff: the native cpu backend is unavailable ({_ext._load()[1]}); using the pure-PyTorch backend",
+        stacklevel=4,
+    )

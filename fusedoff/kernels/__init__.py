@@ -1,0 +1,1 @@
+"""Python-side kernels: the pure-PyTorch reference (also the 'torch' backend) and Triton."""

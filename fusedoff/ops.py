@@ -1,0 +1,102 @@
+"""The fused-step ops, one entry per step, whatever the backend.
+
+``cpu`` and ``cuda`` run ``torch.ops.fusedoff.adam_step_`` (C++/CUDA, registered through
+torch.library in csrc/ops.cpp); ``triton`` runs fusedoff/kernels/triton_adam.py; ``torch`` runs
+the pure-PyTorch reference. All take the same arguments and update their inputs in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+
+
+def register_fake_kernels() -> None:
+    """Fake (meta) kernels so the native ops trace under torch.compile; called once after loading."""
+
+    @torch.library.register_fake("fusedoff::adam_step_")
+    def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, **kwargs):
+        return None
+
+
+def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
+    """Adds one to each step count, or nothing where ``found_inf`` is 1, without a host sync."""
+    if not steps:
+        return
+    if found_inf is None:
+        torch._foreach_add_(list(steps), 1.0)
+    else:
+        torch._foreach_add_(list(steps), [1.0 - found_inf.to(steps[0].device)] * len(steps))
+
+
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    amsgrad: bool,
+    maximize: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    backend: str,
+) -> None:
+    """One fused Adam (``decoupled_weight_decay=False``) or AdamW step over a list of tensors.
+
+    The math is in ``csrc/include/fusedoff/adam.h``. ``steps`` hold each tensor's step count after
+    this step's increment (see ``increment_steps_``); ``max_exp_avg_sqs`` is empty unless
+    ``amsgrad``; ``master_params`` is empty or holds fp32 master weights, in which case the params
+    receive the rounded master values. States are fp32; params and grads fp32, fp16 or bf16.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if len(params) == 0:
+        return  # nothing to update (and nothing for the dispatcher to pick a device from)
+    tensors = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps)
+    hyper = dict(
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        decoupled_weight_decay=bool(decoupled_weight_decay),
+        amsgrad=bool(amsgrad),
+        maximize=bool(maximize),
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+    if backend in ("cpu", "cuda"):
+        _check_native_device(backend, params)
+        from fusedoff._ext import load_extension
+
+        load_extension()
+        torch.ops.fusedoff.adam_step_(*(list(t) for t in tensors), **hyper)
+    elif backend == "triton":
+        from fusedoff.kernels import triton_adam
+
+        triton_adam.adam_step_(*tensors, **hyper)
+    elif backend == "torch":
+        from fusedoff.kernels import reference
+
+        reference.adam_step_(*tensors, **hyper)
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _check_native_device(backend: str, params: Sequence[Tensor]) -> None:
+    for p in params:
+        if p.device.type != backend:
+            raise ValueError(f"backend={backend!r} needs {backend} tensors, got a parameter on {p.device}")

@@ -1,0 +1,40 @@
+"""Builds fusedoff._C: the C++ sources always, the CUDA sources whenever a toolkit is found.
+
+See fusedoff/_build.py for the environment switches (CUDA_HOME, FUSEDOFF_CUDA,
+TORCH_CUDA_ARCH_LIST, MAX_JOBS). Install with ``pip install --no-build-isolation -e .`` so the
+build uses the torch you run with.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_spec = importlib.util.spec_from_file_location("fusedoff_build", Path(__file__).parent / "fusedoff" / "_build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+cuda_home = build.find_cuda_home()
+with_cuda = build.cuda_build_requested(cuda_home)
+if with_cuda:
+    build.prepare_cuda_environment(cuda_home)
+
+from torch.utils import cpp_extension  # noqa: E402  (after CUDA_HOME is settled)
+
+Extension = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
+print(f"fusedoff: building {build.EXTENSION_NAME} with{'' if with_cuda else 'out'} CUDA"
+      + (f" (toolkit {cuda_home}, arch {__import__('os').environ['TORCH_CUDA_ARCH_LIST']})" if with_cuda else ""))
+
+setup(
+    packages=find_packages(include=["fusedoff", "fusedoff.*"]),
+    ext_modules=[
+        Extension(
+            name=build.EXTENSION_NAME,
+            sources=[str(Path(s).relative_to(Path(__file__).resolve().parent)) for s in build.sources(with_cuda)],
+            include_dirs=build.include_dirs(),
+            extra_compile_args=build.compile_args(with_cuda),
+            extra_link_args=build.link_args(),
+        )
+    ],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)

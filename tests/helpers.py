@@ -1,0 +1,156 @@
+"""Shared test helpers: devices, Adam problem setup, and oracle error checks."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from fusedoff import ops
+from fusedoff.kernels import reference
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Sizes from the issue: a 0-d tensor, 1, 7 (odd, shorter than any vector), 4097 (vector width + 1).
+SIZES = ((), (1,), (7,), (4097,))
+
+
+def backend_params(backends=("cpu", "cuda", "torch")):
+    """pytest params for (backend, device): cuda ones carry the `cuda` marker (skipped without a GPU)."""
+    out = []
+    for backend in backends:
+        if backend == "cpu":
+            out.append(pytest.param("cpu", "cpu", id="cpu"))
+        elif backend == "cuda":
+            out.append(pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda))
+        elif backend == "torch":
+            out.append(pytest.param("torch", "cpu", id="torch-cpu"))
+            out.append(pytest.param("torch", "cuda", id="torch-cuda", marks=pytest.mark.cuda))
+        elif backend == "triton":
+            out.append(pytest.param("triton", "cpu", id="triton-cpu", marks=pytest.mark.triton))
+            out.append(
+                pytest.param("triton", "cuda", id="triton-cuda", marks=[pytest.mark.triton, pytest.mark.cuda])
+            )
+    return out
+
+
+@dataclass
+class AdamProblem:
+    """The tensors of one fused Adam call: lists in the op's argument order."""
+
+    params: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    master_params: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    grads_per_step: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def states(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "param": self.params,
+            "exp_avg": self.exp_avgs,
+            "exp_avg_sq": self.exp_avg_sqs,
+            "max_exp_avg_sq": self.max_exp_avg_sqs,
+            "master_param": self.master_params,
+            "step": self.steps,
+        }
+
+    def to(self, dtype: torch.dtype | None = None, device: str | None = None) -> "AdamProblem":
+        """A copy; with `dtype` every tensor (grads too) becomes that dtype (the float64 oracle)."""
+
+        def conv(t):
+            return t.to(dtype=dtype or t.dtype, device=device or t.device, copy=True)
+
+        out = copy.copy(self)
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"):
+            setattr(out, name, [conv(t) for t in getattr(self, name)])
+        out.steps = [t.to(device=device or t.device, copy=True) for t in self.steps]
+        out.grads_per_step = [[conv(g) for g in gs] for gs in self.grads_per_step]
+        return out
+
+
+def make_adam_problem(
+    *,
+    param_dtype=torch.float32,
+    grad_dtype=torch.float32,
+    master=False,
+    amsgrad=False,
+    num_steps=20,
+    sizes=SIZES,
+    device="cpu",
+    grad_scale=1.0,
+    seed=0,
+) -> AdamProblem:
+    gen = torch.Generator().manual_seed(seed)
+    params32 = [torch.randn(s, generator=gen) for s in sizes]
+    params = [p.to(param_dtype).to(device) for p in params32]
+
+    def zeros():
+        return [torch.zeros(s, device=device) for s in sizes]
+
+    grads = [
+        [(torch.randn(s, generator=gen) * 0.1 * grad_scale).to(grad_dtype).to(device) for s in sizes]
+        for _ in range(num_steps)
+    ]
+    return AdamProblem(
+        params=params,
+        exp_avgs=zeros(),
+        exp_avg_sqs=zeros(),
+        max_exp_avg_sqs=zeros() if amsgrad else [],
+        # Master weights start from the exact fp32 values the low-precision params were rounded from.
+        master_params=[p.to(device) for p in params32] if master else [],
+        steps=[torch.zeros((), device=device) for _ in sizes],
+        grads_per_step=grads,
+    )
+
+
+def run_adam(problem: AdamProblem, backend: str, hyper: dict, grad_scale=None, found_inf=None) -> AdamProblem:
+    """Runs every step of `problem` in place through fusedoff.ops (increment, then the fused step)."""
+    for grads in problem.grads_per_step:
+        ops.increment_steps_(problem.steps, found_inf)
+        ops.adam_step_(
+            problem.params,
+            grads,
+            problem.exp_avgs,
+            problem.exp_avg_sqs,
+            problem.max_exp_avg_sqs,
+            problem.master_params,
+            problem.steps,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            backend=backend,
+            **hyper,
+        )
+    return problem
+
+
+def max_abs_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((g.double() - w.double().to(g.device)).abs().max().item() for g, w in zip(got, want, strict=True))
+
+
+def ulp_atol(dtype: torch.dtype, tensors: list[torch.Tensor]) -> float:
+    """One unit in the last place of `dtype` at the largest magnitude in `tensors`: what a single
+    round-to-nearest-even decision of a stored value may flip between two correct kernels."""
+    scale = max(t.double().abs().max().item() for t in tensors)
+    return torch.finfo(dtype).eps * scale
+
+
+def assert_matches_oracle(got: AdamProblem, baseline: AdamProblem, oracle: AdamProblem, param_dtype) -> None:
+    """err(got vs float64 oracle) <= 2 * err(baseline vs oracle) + atol, per state.
+
+    `baseline` is the same op in the same precision by an independent implementation (torch.optim
+    or the pure-PyTorch reference run in fp32). atol is one ulp of the stored dtype: one rounding
+    decision of a stored value may legitimately differ between two correct kernels.
+    """
+    for name, got_tensors in got.states().items():
+        if not got_tensors:
+            continue
+        want = oracle.states()[name]
+        base_err = max_abs_error(baseline.states()[name], want)
+        err = max_abs_error(got_tensors, want)
+        dtype = param_dtype if name == "param" else torch.float32
+        atol = ulp_atol(dtype, want)
+        assert err <= 2 * base_err + atol, f"{name}: error {err:.3e} vs baseline {base_err:.3e} (atol {atol:.1e})"
