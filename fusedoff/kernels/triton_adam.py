@@ -17,14 +17,18 @@ one, change the other, and ``fusedoff/kernels/reference.py``.
 
 How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from adam.h):
 
-- Hyperparameters arrive as fp32 run-time arguments, like ``AdamHyperparams`` (floats). Only mode
-  flags are ``tl.constexpr``, so a scheduler changing lr never recompiles.
+- Hyperparameters arrive as fp64 run-time arguments (annotated ``tl.float64``), like
+  ``AdamHyperparams`` (doubles): the constants derived from them (1 - beta, 1 - lr * wd, the step
+  size) are computed in fp64 and rounded once to fp32, as adam.h does (1 - fp32(0.999) would be
+  1.3e-5 off, a bias in every update). Only mode flags are ``tl.constexpr``, so a scheduler changing
+  lr never recompiles.
 - The step count is loaded in the kernel from its float32 tensor (no ``.item()``, no host sync), and
   the bias corrections are computed from it in fp64, as the C++ does in double, then rounded once to
   fp32. Triton has no portable ``pow`` (libdevice's is CUDA/HIP-only and the interpreter has none),
-  so ``beta^t`` is ``exp2(t * log2(beta))`` in fp64: with x = t * |log2 beta| its relative error is
-  about x * 2^-52, so the absolute error of ``1 - beta^t`` is at most ~ x * 2^-x * 2^-52 < 2^-52 for
-  every t, and where ``1 - beta^t`` is small (t * (1 - beta) << 1) its relative error stays ~2^-52.
+  so ``pow(beta, t)`` is ``exp2(t * log2(beta))`` in fp64 (``_pow``). With x = t * |log2 beta| its
+  relative error is about x * 2^-52, so the absolute error of ``1 - beta^t`` is at most
+  ~ x * 2^-x * 2^-52 < 2^-52 for every t, and where ``1 - beta^t`` is small (t * (1 - beta) << 1)
+  its relative error stays ~2^-52: after the rounding to fp32 it agrees with C++'s ``pow``.
   fp32 would not do: near t = 1 the cancellation in ``1 - beta2^t`` turns one fp32 ulp of
   ``beta2^t`` (6e-8) into a relative error of 6e-8 / (1 - beta2) in the bias correction, i.e. 6e-5
   for beta2 = 0.999 and 6e-4 for 0.9999. On NVIDIA the fp64 exp2/log2 inline libdevice's code (no
@@ -61,16 +65,22 @@ _STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _pow(base, exponent):
+    """``pow`` for fp64 ``base`` in [0, 1] and ``exponent`` >= 0; see the module docstring."""
+    return tl.exp2(exponent * tl.log2(base))
+
+
+@triton.jit
 def _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, DECOUPLED_WEIGHT_DECAY: tl.constexpr,
                   MAXIMIZE: tl.constexpr):
     """``adam_scalars`` of adam.h: the scalars that depend on one tensor's step count."""
-    # The hyperparameters are fp32 like AdamHyperparams' floats (the cast only matters under the
-    # interpreter, which passes Python floats through unconverted).
-    lr = tl.cast(lr, tl.float32)
-    beta1 = tl.cast(beta1, tl.float32)
-    beta2 = tl.cast(beta2, tl.float32)
-    eps = tl.cast(eps, tl.float32)
-    weight_decay = tl.cast(weight_decay, tl.float32)
+    # fp64 like AdamHyperparams. (`tl.full` is a no-op on the fp64 arguments of a compiled kernel;
+    # the interpreter passes Python floats through, which would otherwise become fp32 constants.)
+    lr = tl.full((), lr, tl.float64)
+    beta1 = tl.full((), beta1, tl.float64)
+    beta2 = tl.full((), beta2, tl.float64)
+    eps = tl.full((), eps, tl.float64)
+    weight_decay = tl.full((), weight_decay, tl.float64)
     t = step.to(tl.float64)
     if MAXIMIZE:
         grad_sign = -1.0
@@ -78,18 +88,18 @@ def _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, DECOUPLED_WEIGHT_DE
         grad_sign = 1.0
     if DECOUPLED_WEIGHT_DECAY:
         l2_decay = 0.0
-        decay_factor = 1.0 - lr * weight_decay
+        decay_factor = (1.0 - lr * weight_decay).to(tl.float32)
     else:
-        l2_decay = weight_decay
+        l2_decay = weight_decay.to(tl.float32)
         decay_factor = 1.0
-    one_minus_beta1 = 1.0 - beta1
-    one_minus_beta2 = 1.0 - beta2
-    # pow(beta, t) = exp2(t * log2(beta)) in fp64; see the module docstring.
-    beta1_pow_t = tl.exp2(t * tl.log2(beta1.to(tl.float64)))
-    beta2_pow_t = tl.exp2(t * tl.log2(beta2.to(tl.float64)))
-    step_size = (lr.to(tl.float64) / (1.0 - beta1_pow_t)).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(1.0 - beta2_pow_t).to(tl.float32)  # fp64 sqrt is IEEE
-    return (grad_sign, l2_decay, decay_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+    beta1_f = beta1.to(tl.float32)
+    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
+    beta2_f = beta2.to(tl.float32)
+    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
+    step_size = (lr / (1.0 - _pow(beta1, t))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - _pow(beta2, t)).to(tl.float32)  # fp64 sqrt is IEEE
+    eps = eps.to(tl.float32)
+    return (grad_sign, l2_decay, decay_factor, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, step_size,
             bias_correction2_sqrt, eps)
 
 
@@ -124,11 +134,11 @@ def _adam_kernel(
     grad_scale_ptr,  # None unless HAS_GRAD_SCALE
     found_inf_ptr,  # None unless HAS_FOUND_INF
     numel,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
+    lr: tl.float64,
+    beta1: tl.float64,
+    beta2: tl.float64,
+    eps: tl.float64,
+    weight_decay: tl.float64,
     AMSGRAD: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,

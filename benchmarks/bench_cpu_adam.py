@@ -1,0 +1,383 @@
+"""Question: how fast is fusedoff's fused CPU AdamW step, against torch.optim.AdamW(fused=True) on CPU and
+DeepSpeedCPUAdam, and how close does each come to the machine's memory-bandwidth bound?
+
+Two configurations, each with every contender timed in turn (A, B, C, A, B, C, ...) in one process:
+
+  fp32         fp32 params + fp32 grads + fp32 states.
+               Every contender reads p, g, m, v and writes p, m, v: 28 B/param.
+  bf16_master  bf16 grads with fp32 master weights.
+               fusedoff: one fused call over the bf16 param, bf16 grad and fp32 master, m, v: reads
+                 master 4 + grad 2 + m 4 + v 4, writes master 4 + m 4 + v 4 + bf16 param 2 = 28 B/param.
+               torch: the fp32 master with its grad upcast as users do, ``master.grad = g.float()``, inside
+                 the timing (a fresh 256 MiB buffer each step at 64M params, page faults included), then
+                 the fused step: upcast 2 + 4, step 28 = 34 B/param. Also timed with ``copy_`` into a
+                 preallocated fp32 grad, the best case for the upcast.
+               DeepSpeed: ZeRO-Offload's path, an fp32 master whose fp32 grad buffer is filled with
+                 ``copy_`` from the bf16 grad, then the step: 34 B/param. (DeepSpeedCPUAdam 0.19.8 has no
+                 fp16/bf16 param-copy argument; its bf16 support updates bf16 params in place with no
+                 fp32 master, which is another computation.)
+               Neither torch nor DeepSpeed writes the bf16 model copy of the weights, which fusedoff does
+               in the same pass: their rows do less work than fusedoff's.
+
+Bytes are counted STREAM-style (bytes the algorithm must read and write; the write-allocate reads of
+ordinary stores are not counted) and set against the best of a STREAM copy and triad measured in
+the same interleaved loop with the same thread count.
+
+    .venv/bin/python benchmarks/bench_cpu_adam.py                        # 64M params, results/
+    .venv/bin/python benchmarks/bench_cpu_adam.py --size 1M --repeats 3 --out-dir /tmp/bench   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import timing  # noqa: E402  (benchmarks/ is not a package)
+
+import fusedoff  # noqa: E402
+from fusedoff import ops  # noqa: E402
+from fusedoff._ext import load_extension  # noqa: E402
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
+CONFIGS = ("fp32", "bf16_master")
+TARGETS = {"torch": 1.2, "deepspeed": 1.0}  # fusedoff speedup wanted over each peer (ratio of medians)
+
+
+@dataclass
+class Contender:
+    name: str  # fusedoff | torch | torch_copy | deepspeed
+    label: str  # what is timed, for the table and the plot
+    step: Callable[[], object]
+    bytes_per_param: int
+    weights: torch.Tensor  # the fp32 weights it updates, for the agreement check
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 64 * 2**20; K, M, G are binary; plain integers as they are."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+# ---- contenders --------------------------------------------------------------------------------------
+
+
+def fusedoff_contender(config: str, master0: torch.Tensor, grad: torch.Tensor) -> Contender:
+    exp_avg, exp_avg_sq = torch.zeros_like(master0), torch.zeros_like(master0)
+    steps = [torch.zeros((), dtype=torch.float32)]
+    if config == "fp32":
+        param, masters = master0.clone(), []
+        weights, label = param, "fusedoff.ops.adam_step_ (fp32)"
+    else:
+        master = master0.clone()
+        param, masters = master.to(torch.bfloat16), [master]
+        weights, label = master, "fusedoff.ops.adam_step_ (bf16 p+g, fp32 master)"
+    hyper = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                 decoupled_weight_decay=True, amsgrad=False, maximize=False, backend="cpu")
+
+    def step() -> None:
+        ops.increment_steps_(steps)
+        ops.adam_step_([param], [grad], [exp_avg], [exp_avg_sq], [], masters, steps, **hyper)
+
+    return Contender("fusedoff", label, step, 28, weights)
+
+
+def _with_grad_upcast(config: str, weights: torch.Tensor, grad: torch.Tensor, optimizer, upcast: str):
+    """The step callable: fp32 grads are attached once; bf16 grads are upcast inside every step."""
+    if config == "fp32":
+        weights.grad = grad
+        return optimizer.step
+    if upcast == "float":
+
+        def step() -> None:
+            weights.grad = grad.float()  # a new fp32 tensor each step, as user code does
+            optimizer.step()
+
+        return step
+    weights.grad = torch.empty_like(weights)
+
+    def step_copy() -> None:
+        weights.grad.copy_(grad)  # into a preallocated fp32 buffer (ZeRO-Offload style)
+        optimizer.step()
+
+    return step_copy
+
+
+def torch_contender(config: str, master0: torch.Tensor, grad: torch.Tensor, upcast: str) -> Contender:
+    weights = master0.clone()
+    optimizer = torch.optim.AdamW([weights], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    step = _with_grad_upcast(config, weights, grad, optimizer, upcast)
+    if config == "fp32":
+        return Contender("torch", "torch AdamW(fused=True)", step, 28, weights)
+    name = "torch" if upcast == "float" else "torch_copy"
+    how = "g.float()" if upcast == "float" else "copy_ into fp32 buffer"
+    return Contender(name, f"torch AdamW(fused=True) + {how}", step, 34, weights)
+
+
+def load_deepspeed_cpu_adam() -> tuple[type | None, str]:
+    """DeepSpeedCPUAdam with its op built (JIT on first use, minutes), or None and why not."""
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+    except Exception as exc:  # ImportError, or the op's JIT build failing
+        return None, f"{type(exc).__name__}: {exc}"
+    return DeepSpeedCPUAdam, deepspeed.__version__
+
+
+def deepspeed_contender(cls, config: str, master0: torch.Tensor, grad: torch.Tensor) -> Contender:
+    weights = master0.clone()
+    optimizer = cls([weights], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    step = _with_grad_upcast(config, weights, grad, optimizer, "copy")
+    label = "DeepSpeedCPUAdam" + ("" if config == "fp32" else " + copy_ into fp32 buffer")
+    return Contender("deepspeed", label, step, 28 if config == "fp32" else 34, weights)
+
+
+def make_contenders(config: str, numel: int, deepspeed_cls) -> list[Contender]:
+    generator = torch.Generator().manual_seed(0)
+    master0 = torch.randn(numel, generator=generator) * 0.1
+    grad = torch.randn(numel, generator=generator) * 1e-2
+    if config == "bf16_master":
+        grad = grad.to(torch.bfloat16)
+    contenders = [fusedoff_contender(config, master0, grad), torch_contender(config, master0, grad, "float")]
+    if config == "bf16_master":
+        contenders.append(torch_contender(config, master0, grad, "copy"))
+    if deepspeed_cls is not None:
+        contenders.append(deepspeed_contender(deepspeed_cls, config, master0, grad))
+    return contenders
+
+
+# ---- one configuration -------------------------------------------------------------------------------
+
+
+def run_config(config: str, args, deepspeed_cls) -> list[dict]:
+    contenders = make_contenders(config, args.size, deepspeed_cls)
+    kernels = timing.bandwidth_kernels(args.size)
+    callables = {c.name: c.step for c in contenders} | {k.name: k.fn for k in kernels}
+    with timing.LoadMonitor() as load:
+        samples = timing.time_interleaved(callables, repeats=args.repeats, warmup=args.warmup)
+
+    bandwidth = {k.name: k.bytes_per_call / timing.summarize(samples[k.name]).median for k in kernels}
+    best_kernel = max(bandwidth, key=bandwidth.get)
+    reference = next(c for c in contenders if c.name == "torch").weights
+    fused_times = samples["fusedoff"]
+    rows = []
+    for c in contenders:
+        s = timing.summarize(samples[c.name])
+        moved = c.bytes_per_param * args.size
+        speedup = timing.paired_ratio(samples[c.name], fused_times)  # t_peer / t_fusedoff, per repeat
+        rows.append({
+            "config": config,
+            "contender": c.name,
+            "what": c.label,
+            "numel": args.size,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            **timing.summary_columns("ms", s, 1e3),
+            "bytes_per_param": c.bytes_per_param,
+            "achieved_gb_per_s": round(moved / s.median / 1e9, 2),
+            "bandwidth_gb_per_s": round(bandwidth[best_kernel] / 1e9, 2),
+            "bandwidth_kernel": best_kernel,
+            "bound_ms": round(moved / bandwidth[best_kernel] * 1e3, 3),
+            "fraction_of_bandwidth": round(moved / s.median / bandwidth[best_kernel], 3),
+            "fusedoff_speedup": round(s.median / timing.summarize(fused_times).median, 3),
+            "fusedoff_speedup_paired_q10": round(speedup.q10, 3),
+            "fusedoff_speedup_paired_q90": round(speedup.q90, 3),
+            "max_abs_weight_diff_vs_torch": float((c.weights - reference).abs().max()),
+            "others_cpu_share": None if load.others_share is None else round(load.others_share, 3),
+        })
+    for k in kernels:
+        s = timing.summarize(samples[k.name])
+        rows.append({
+            "config": config, "contender": k.name, "what": k.description, "numel": args.size,
+            "threads": args.threads, "repeats": args.repeats, **timing.summary_columns("ms", s, 1e3),
+            "achieved_gb_per_s": round(k.bytes_per_call / s.median / 1e9, 2),
+            "others_cpu_share": None if load.others_share is None else round(load.others_share, 3),
+        })
+    del contenders, kernels, callables
+    gc.collect()
+    return rows
+
+
+# ---- output ------------------------------------------------------------------------------------------
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("config", "contender", "median ms", "p10-p90 ms", "B/param", "GB/s", "% of BW", "bound ms",
+            "fusedoff speedup [p10-p90]", "max|dw| vs torch")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "bytes_per_param" not in r or r.get("bytes_per_param") is None:
+            lines.append(f"| {r['config']} | {r['contender']} | {r['ms_median']:.2f} | {r['ms_q10']:.2f}-{r['ms_q90']:.2f}"
+                         f" | | {r['achieved_gb_per_s']:.1f} | | | | |")
+            continue
+        speedup = ("1 (itself)" if r["contender"] == "fusedoff" else
+                   f"{r['fusedoff_speedup']:.2f}x [{r['fusedoff_speedup_paired_q10']:.2f}-"
+                   f"{r['fusedoff_speedup_paired_q90']:.2f}]")
+        lines.append(
+            f"| {r['config']} | {r['contender']} | {r['ms_median']:.2f} | {r['ms_q10']:.2f}-{r['ms_q90']:.2f} | "
+            f"{r['bytes_per_param']} | {r['achieved_gb_per_s']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}% | "
+            f"{r['bound_ms']:.2f} | {speedup} | {r['max_abs_weight_diff_vs_torch']:.1e} |")
+    return "\n".join(lines)
+
+
+def format_verdicts(rows: list[dict], deepspeed_status: str) -> str:
+    lines = []
+    for config in CONFIGS:
+        for peer, target in TARGETS.items():
+            row = next((r for r in rows if r["config"] == config and r["contender"] == peer), None)
+            if row is None:
+                lines.append(f"- {config}: fusedoff vs {peer}: not measured ({deepspeed_status})")
+                continue
+            verdict = "meets" if row["fusedoff_speedup"] >= target else "MISSES"
+            lines.append(f"- {config}: fusedoff vs {peer} ({row['what']}): {row['fusedoff_speedup']:.2f}x "
+                         f"(target >= {target}x: {verdict})")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CONFIGS), figsize=(6 * len(CONFIGS), 4.5), squeeze=False)
+    for ax, config in zip(axes[0], CONFIGS):
+        rs = [r for r in rows if r["config"] == config and r.get("bytes_per_param")]
+        x = range(len(rs))
+        medians = [r["ms_median"] for r in rs]
+        err = [[r["ms_median"] - r["ms_q10"] for r in rs], [r["ms_q90"] - r["ms_median"] for r in rs]]
+        colors = ["tab:green" if r["contender"] == "fusedoff" else "tab:gray" for r in rs]
+        ax.bar(x, medians, yerr=err, capsize=4, color=colors)
+        ax.scatter(x, [r["bound_ms"] for r in rs], marker="_", s=900, color="tab:red", zorder=3,
+                   label="bandwidth bound (bytes / best STREAM)")
+        for i, r in enumerate(rs):
+            ax.annotate(f"{r['ms_median']:.0f} ms", (i, r["ms_median"]), ha="center", va="bottom",
+                        xytext=(0, 3), textcoords="offset points", fontsize=8)
+        ax.set_xticks(list(x), [r["what"].replace(" + ", "\n+ ").replace(" (", "\n(") for r in rs], fontsize=7)
+        ax.set_ylabel("step time, ms (median, p10-p90)")
+        ax.set_title(config)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def command_line() -> str:
+    exe = Path(sys.executable)
+    try:
+        exe = exe.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join([str(exe), *sys.argv])
+
+
+def results_markdown(rows, meta, args, deepspeed_status, load_note) -> str:
+    bw = {r["config"]: r for r in rows if r.get("bandwidth_gb_per_s")}
+    bound_lines = "\n".join(
+        f"- {c}: best of STREAM copy/triad = {bw[c]['bandwidth_gb_per_s']:.1f} GB/s ({bw[c]['bandwidth_kernel']}); "
+        f"at 28 B/param the bound is {28 * args.size / bw[c]['bandwidth_gb_per_s'] / 1e6:.1f} ms, at 34 B/param "
+        f"{34 * args.size / bw[c]['bandwidth_gb_per_s'] / 1e6:.1f} ms" for c in CONFIGS if c in bw)
+    return f"""## bench_cpu_adam: fused CPU AdamW step, fusedoff vs torch fused vs DeepSpeedCPUAdam
+
+- date: {meta['date_utc']}{' — ' + args.label if args.label else ''}
+- load: {load_note}
+- hardware: {meta['cpu_model']} (family/model {meta['cpu_family_model']}), {meta['cpus']} CPUs, {meta['sockets']} socket(s),
+  L3 {meta['l3_cache']}, SIMD {meta['simd_flags']}, hypervisor {meta['hypervisor']}, {meta['mem_total_gib']} GiB,
+  THP {meta['transparent_hugepages']}
+- versions: python {meta['python']}, torch {meta['torch']}, fusedoff {meta['fusedoff']} (cpu ISA {meta['fusedoff_cpu_isa']}),
+  deepspeed {deepspeed_status}; {meta['torch_threads']} threads for all (OpenMP runtime: {meta['openmp_runtimes']})
+- command: `{command_line()}`
+- {args.size} params ({args.size / 2**20:g}M), {args.warmup} warm-up steps, then {args.repeats} interleaved repeats;
+  AdamW lr={LR}, betas={BETAS}, eps={EPS}, weight_decay={WEIGHT_DECAY}
+
+{format_table(rows)}
+
+Speedup = median(peer) / median(fusedoff); the bracket is the p10-p90 of the per-repeat paired ratios.
+B/param counts the bytes each implementation must read + write per parameter (no write-allocate);
+`torch`/`deepspeed` in bf16_master include the bf16 -> fp32 grad upcast (`torch`: `g.float()`, a new tensor
+each step; `torch_copy`/`deepspeed`: `copy_` into a preallocated fp32 buffer) and do not write a bf16
+model copy, which fusedoff does in its one pass. max|dw| is the largest difference of the fp32 weights
+from torch's after the same steps (a check that all contenders computed the same update).
+
+Ratios against the targets:
+{format_verdicts(rows, deepspeed_status)}
+
+Bandwidth bound (measured in the same interleaved loop, same thread count):
+{bound_lines}
+
+Files: `bench_cpu_adam.csv` (one row per contender, hardware and version columns), `bench_cpu_adam.png`.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=parse_size, default=64 * 2**20, help="parameters, e.g. 64M (default) or 1M")
+    parser.add_argument("--repeats", type=int, default=30, help="interleaved repeats per contender (default 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for all contenders")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    parser.add_argument("--out-dir", type=Path, default=timing.RESULTS_DIR, help="CSV, PNG and RESULTS.md go here")
+    parser.add_argument("--label", default="", help="a note for the results, e.g. 'preliminary, machine under load'")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    load_extension()
+    if args.no_deepspeed:
+        deepspeed_cls, deepspeed_status = None, "not run (--no-deepspeed)"
+    else:
+        deepspeed_cls, deepspeed_status = load_deepspeed_cpu_adam()
+        if deepspeed_cls is None:
+            deepspeed_status = f"unavailable, skipped ({deepspeed_status})"
+            print(f"DeepSpeedCPUAdam: {deepspeed_status}", flush=True)
+
+    rows: list[dict] = []
+    with timing.LoadMonitor() as load:
+        for config in args.configs:
+            print(f"timing {config}: {args.size} params, {args.repeats} repeats, {args.threads} threads ...",
+                  flush=True)
+            rows += run_config(config, args, deepspeed_cls)
+    load_note = (f"other processes used {100 * load.others_share:.0f}% of the CPUs during the run "
+                 f"(1-min load average before it: {load.loadavg_before:.2f})" if load.others_share is not None
+                 else "unknown")
+    if load.others_share is not None and load.others_share > 0.05:
+        load_note += " — TAKEN UNDER LOAD, preliminary"
+
+    meta = timing.hardware_metadata(args.threads, {
+        "fusedoff": fusedoff.__version__,
+        "fusedoff_cpu_isa": load_extension().cpu_isa(),
+        "deepspeed": deepspeed_status,
+        "label": args.label,
+        "load": load_note,
+    })
+    print()
+    print(format_table(rows))
+    print()
+    print(format_verdicts(rows, deepspeed_status))
+    print(f"\nload: {load_note}")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    timing.write_csv(args.out_dir / "bench_cpu_adam.csv", rows, meta)
+    title = (f"fused CPU AdamW, {args.size / 2**20:g}M params, {args.threads} threads, {meta['cpu_model']}; "
+             f"torch {meta['torch']}, deepspeed {deepspeed_status.split(' (')[0]}; {meta['date_utc']}"
+             + (f"\n{args.label}" if args.label else ""))
+    plot(rows, args.out_dir / "bench_cpu_adam.png", title)
+    timing.update_results_section(args.out_dir / "RESULTS.md", "bench_cpu_adam",
+                                  results_markdown(rows, meta, args, deepspeed_status, load_note))
+    print(f"wrote {args.out_dir}/bench_cpu_adam.csv, bench_cpu_adam.png, RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Timing utilities shared by the benchmark scripts.
+
+What every benchmark here needs, written once:
+  * ``time_interleaved``: warm each contender up, then run them in turn (A, B, C, A, B, C, ...) so that
+    a burst of load from other processes hits all of them alike; medians and quantiles, not means.
+  * ``Summary``/``summarize`` and ``paired_ratio``: median and quantiles of the per-repeat times, and of
+    the per-repeat ratio of two contenders (paired because they ran back to back).
+  * ``bandwidth_kernels``: STREAM-like copy and triad over torch tensors, to be timed in the same
+    interleaved loop, so the bandwidth bound is measured under the same conditions as the kernels.
+  * ``LoadMonitor``: the share of the CPUs that *other* processes used during a run (from /proc), so a
+    result taken on a busy machine says so.
+  * ``hardware_metadata``, ``write_csv``, ``update_results_section``: CSV rows with hardware and version
+    columns, and one replaceable section per script in results/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUANTILES = (0.1, 0.25, 0.75, 0.9)
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+
+def time_interleaved(
+    contenders: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per call of each contender, ``repeats`` samples each, taken in turn.
+
+    Every contender is first called ``warmup`` times (page faults, lazy initialisation, JIT
+    loading, the CPU clock settling). Then each repeat calls every contender once, in the given
+    order; a contender is a synchronous callable (CPU work: nothing to synchronise).
+    """
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter_ns()
+            fn()
+            samples[name].append((time.perf_counter_ns() - start) * 1e-9)
+    return samples
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default), without needing numpy."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class Summary:
+    """Median and spread of samples (in the samples' unit)."""
+
+    n: int
+    median: float
+    q10: float
+    q25: float
+    q75: float
+    q90: float
+    min: float
+    max: float
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    q10, q25, q75, q90 = (quantile(values, q) for q in QUANTILES)
+    return Summary(len(values), statistics.median(values), q10, q25, q75, q90, min(values), max(values))
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Summary:
+    """Per-repeat ratios of two interleaved contenders: robust to slow drifts in machine load."""
+    return summarize([a / b for a, b in zip(numerator, denominator)])
+
+
+# ---- the physical bound -----------------------------------------------------------------------------
+
+
+@dataclass
+class BandwidthKernel:
+    """A memory-bound torch kernel and the bytes it moves per call (STREAM counting: no write-allocate)."""
+
+    name: str
+    fn: Callable[[], object]
+    bytes_per_call: int
+    description: str
+
+
+def bandwidth_kernels(numel: int) -> list[BandwidthKernel]:
+    """STREAM copy (8 B/element) and triad (12 B/element) on fp32 tensors of ``numel`` elements.
+
+    They run on torch's intra-op thread pool, so with ``torch.set_num_threads`` they use the same
+    thread count as the kernels under test. ``numel`` should be far beyond the last-level cache.
+    """
+    a = torch.rand(numel)
+    b = torch.rand(numel)
+    c = torch.empty(numel)
+    return [
+        BandwidthKernel("stream_copy", lambda: c.copy_(a), 8 * numel, "c.copy_(a): read 4 B + write 4 B"),
+        BandwidthKernel(
+            "stream_triad",
+            lambda: torch.add(a, b, alpha=3.0, out=c),
+            12 * numel,
+            "torch.add(a, b, alpha=3, out=c): read 8 B + write 4 B",
+        ),
+    ]
+
+
+# ---- how busy the machine was -----------------------------------------------------------------------
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - idle, total
+
+
+def _self_jiffies() -> int:
+    """utime + stime of this process (all threads), from /proc/self/stat."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class LoadMonitor:
+    """``with LoadMonitor() as load:`` ... ``load.others_share``: the CPU share other processes used.
+
+    0.0 is a quiet machine; 0.5 on 2 cores means one whole core was busy with something else.
+    Linux only; elsewhere ``others_share`` stays None.
+    """
+
+    def __init__(self) -> None:
+        self.others_share: float | None = None
+        self.loadavg_before: float | None = None
+        self._start: tuple[int, int, int] | None = None
+
+    def __enter__(self) -> "LoadMonitor":
+        try:
+            self.loadavg_before = os.getloadavg()[0]
+            busy, total = _cpu_jiffies()
+            self._start = (busy, total, _self_jiffies())
+        except (OSError, ValueError, IndexError):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._start is None:
+            return
+        busy, total = _cpu_jiffies()
+        mine = _self_jiffies()
+        d_busy, d_total, d_mine = busy - self._start[0], total - self._start[1], mine - self._start[2]
+        if d_total > 0:
+            self.others_share = max(0.0, (d_busy - d_mine) / d_total)
+
+
+# ---- metadata, CSV, RESULTS.md ----------------------------------------------------------------------
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines()) if v}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _openmp_runtimes() -> str:
+    """The OpenMP runtimes mapped into this process: one path means every extension shares one pool."""
+    maps = _read("/proc/self/maps")
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if re.search(r"lib(g|i)?omp[^/]*\.so", line)})
+    return ";".join(libs)
+
+
+def hardware_metadata(threads: int, extra: Mapping[str, object] | None = None) -> dict[str, object]:
+    """Hardware and version columns for every CSV row (strings and numbers only)."""
+    cpu = _lscpu()
+    flags = set(cpu.get("Flags", "").split())
+    thp = re.search(r"\[(\w+)\]", _read("/sys/kernel/mm/transparent_hugepage/enabled"))
+    meminfo = re.search(r"MemTotal:\s+(\d+)", _read("/proc/meminfo"))
+    meta: dict[str, object] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu_model": cpu.get("Model name", platform.processor()),
+        "cpu_family_model": f"{cpu.get('CPU family', '?')}/{cpu.get('Model', '?')}",
+        "cpus": os.cpu_count(),
+        "sockets": cpu.get("Socket(s)", ""),
+        "threads_per_core": cpu.get("Thread(s) per core", ""),
+        "l3_cache": cpu.get("L3 cache", ""),
+        "simd_flags": " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "neon", "asimd") if f in flags),
+        "hypervisor": cpu.get("Hypervisor vendor", "none"),
+        "mem_total_gib": round(int(meminfo.group(1)) / 2**20, 1) if meminfo else "",
+        "transparent_hugepages": thp.group(1) if thp else "",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "openmp_runtimes": _openmp_runtimes(),
+    }
+    meta.update(extra or {})
+    return meta
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, object]], metadata: Mapping[str, object]) -> None:
+    """One row per measurement, each followed by the metadata columns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = [{**row, **metadata} for row in rows]
+    fieldnames: list[str] = []
+    for row in full:
+        fieldnames += [k for k in row if k not in fieldnames]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(full)
+
+
+def update_results_section(path: Path, key: str, markdown: str) -> None:
+    """Replace (or append) the section between ``<!-- key:begin -->`` and ``<!-- key:end -->``."""
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    block = f"{begin}\n{markdown.rstrip()}\n{end}\n"
+    text = path.read_text() if path.exists() else "# Benchmark results\n\nOne section per benchmark script, rewritten by its last run.\n\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def summary_columns(prefix: str, s: Summary, scale: float = 1.0, digits: int = 3) -> dict[str, float]:
+    """``{prefix}_median``, ``{prefix}_q10``, ... columns, scaled (e.g. 1e3 for ms)."""
+    return {f"{prefix}_{k}": round(v * scale, digits) for k, v in asdict(s).items() if k != "n"}
