@@ -87,6 +87,13 @@ class AdamW(Optimizer):
         # unscale in the kernel and skip on overflow (as torch's fused AdamW does).
         self._step_supports_amp_scaling = True
 
+    def __setstate__(self, state: dict) -> None:
+        # A torch.optim checkpoint's groups lack fusedoff's options: fill them from the defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in ("amsgrad", "maximize", "backend", "master_weights"):
+                group.setdefault(key, self.defaults[key])
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "_step_supports_amp_scaling"):  # after __init__; __init__ checks all at once

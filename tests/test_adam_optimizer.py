@@ -1,0 +1,211 @@
+"""fusedoff.Adam/AdamW as drop-in torch.optim classes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusedoff
+from tests.helpers import backend_params, max_abs_error, ulp_atol
+
+BACKENDS = backend_params(("cpu", "cuda", "triton", "torch"))
+PAIRS = [(fusedoff.AdamW, torch.optim.AdamW), (fusedoff.Adam, torch.optim.Adam)]
+
+
+def make_model(device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+    return model.to(device=device, dtype=dtype)
+
+
+def train(model, opt, steps, device, seed=1, scaler=None):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 7, generator=gen).to(device=device, dtype=next(model.parameters()).dtype)
+        y = torch.randn(16, 1, generator=gen).to(device=device, dtype=x.dtype)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def assert_close_to_float64(fused_model, fused_opt, torch_cls, kwargs, steps, device, init_state=None):
+    """fusedoff (fp32) vs torch.optim in float64, bounded by torch.optim's own fp32 error."""
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        model = make_model("cpu", dtype)
+        opt = torch_cls(model.parameters(), foreach=False, **kwargs)
+        if init_state is not None:
+            opt.load_state_dict(init_state)
+        train(model, opt, steps, "cpu")
+        runs[dtype] = (model, opt)
+    (oracle, oracle_opt), (base, base_opt) = runs[torch.float64], runs[torch.float32]
+
+    def tensors(model, opt, key):
+        if key == "param":
+            return [p.detach().cpu() for p in model.parameters()]
+        return [opt.state[p][key].cpu() for p in model.parameters()]
+
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        want = tensors(oracle, oracle_opt, key)
+        err = max_abs_error(tensors(fused_model, fused_opt, key), want)
+        base_err = max_abs_error(tensors(base, base_opt, key), want)
+        assert err <= 2 * base_err + ulp_atol(torch.float32, want), f"{key}: {err:.3e} vs torch {base_err:.3e}"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("fused_cls,torch_cls", PAIRS, ids=["AdamW", "Adam"])
+def test_matches_torch_optim(backend, device, fused_cls, torch_cls):
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=True)
+    steps = 4 if backend == "triton" and device == "cpu" else 20
+    model = make_model(device)
+    opt = fused_cls(model.parameters(), backend=backend, **kwargs)
+    train(model, opt, steps, device)
+    assert_close_to_float64(model, opt, torch_cls, kwargs, steps, device)
+    assert opt.state[next(model.parameters())]["step"].item() == steps
+
+
+@pytest.mark.parametrize("direction", ["fusedoff->torch", "torch->fusedoff"])
+def test_state_dict_interchange_with_torch_optim(direction):
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    first_model = make_model("cpu")
+    first = (fusedoff.AdamW if direction == "fusedoff->torch" else torch.optim.AdamW)(first_model.parameters(), **kwargs)
+    train(first_model, first, 5, "cpu", seed=1)
+    saved_model, saved_state = copy.deepcopy(first_model.state_dict()), copy.deepcopy(first.state_dict())
+    state = saved_state["state"][0]
+    assert state["step"].dtype == torch.float32 and state["step"].dim() == 0
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+
+    resumed_model = make_model("cpu")
+    resumed_model.load_state_dict(saved_model)
+    resumed = (torch.optim.AdamW if direction == "fusedoff->torch" else fusedoff.AdamW)(resumed_model.parameters(), **kwargs)
+    resumed.load_state_dict(saved_state)
+    train(resumed_model, resumed, 5, "cpu", seed=2)
+    train(first_model, first, 5, "cpu", seed=2)
+    for a, b in zip(first_model.parameters(), resumed_model.parameters()):
+        # Both continue from identical states: the only difference is two fp32 implementations.
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_bf16_states_stay_fp32_through_state_dict():
+    model = make_model("cpu", torch.bfloat16)
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 3, "cpu")
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][0]["master_param"].dtype == torch.float32
+    clone = fusedoff.AdamW(model.parameters(), lr=1e-2)
+    clone.load_state_dict(saved)
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        got = clone.state[next(model.parameters())][key]
+        assert got.dtype == torch.float32
+        assert torch.equal(got, saved["state"][0][key])
+
+
+def test_master_weights_are_fp32_and_params_their_rounding():
+    """bf16 params: the fp32 masters carry the update (too small for bf16 alone), params are their RNE rounding."""
+    model = make_model("cpu", torch.bfloat16)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-5)  # updates far below one bf16 ulp
+    train(model, opt, 3, "cpu")
+    moved = 0
+    for p, p0 in zip(model.parameters(), start):
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+        moved += (master != p0.float()).sum().item()
+    assert moved > 0, "the masters did not accumulate the small updates"
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
+def test_grad_scaler_end_to_end(backend, device):
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    model = make_model(device)
+    opt = fusedoff.AdamW(model.parameters(), backend=backend, **kwargs)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    train(model, opt, 10, device, scaler=scaler)
+    assert_close_to_float64(model, opt, torch.optim.AdamW, kwargs, 10, device)
+
+    # An overflow: the scaler skips the step; params, states and step counts stay as they were.
+    before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    (model(torch.full((2, 7), float("inf"), device=device)).sum() * 0).backward()
+    scaler.step(opt)
+    scaler.update()
+    for p, b in zip(model.parameters(), before[1]):
+        assert torch.equal(p, b)
+    for pid, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, before[0]["state"][pid][key]), key
+
+
+def test_bad_input_is_rejected_before_anything_changes():
+    model = make_model("cpu")
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1, "cpu")
+    snapshot = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[-1].grad.data = torch.ones(3)  # wrong shape on the last parameter (.data skips torch's check)
+    with pytest.raises(RuntimeError, match="shape"):
+        opt.step()
+    params[-1].grad = torch.ones_like(params[-1]).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    for p, b in zip(params, snapshot[1]):
+        assert torch.equal(p, b)
+    assert opt.state_dict()["state"][0]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=-1.0), "learning rate"),
+        (dict(eps=-1.0), "epsilon"),
+        (dict(betas=(1.0, 0.9)), "beta"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(backend="fortran"), "backend"),
+        (dict(master_weights="yes"), "master_weights"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fusedoff.AdamW(make_model("cpu").parameters(), **kwargs)
+
+
+def test_rejects_integer_and_complex_params():
+    for dtype in (torch.int32, torch.complex64):
+        with pytest.raises(ValueError, match="supports float32"):
+            fusedoff.AdamW([torch.zeros(3, dtype=dtype)])
+
+
+def test_scheduler_changes_lr_every_step():
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    fused_model, torch_model = make_model("cpu"), make_model("cpu")
+    fused = fusedoff.AdamW(fused_model.parameters(), **kwargs)
+    ref = torch.optim.AdamW(torch_model.parameters(), foreach=False, **kwargs)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (fused, ref)]
+    for step in range(6):
+        train(fused_model, fused, 1, "cpu", seed=step)
+        train(torch_model, ref, 1, "cpu", seed=step)
+        for s in scheds:
+            s.step()
+    assert fused.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 64
+    for a, b in zip(fused_model.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_params_without_grad_are_skipped():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = fusedoff.AdamW([a, b], lr=0.1)
+    a.grad = torch.ones(4)
+    opt.step()
+    assert torch.equal(b.detach(), torch.ones(4)) and b not in opt.state
+    assert a.detach().lt(1).all()
