@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(kThreads) adam_chunks_kernel(const __grid_cons
     for (int i = thread * kVec; i < scalar_begin; i += kThreads * kVec)
       update_vector<kVec, kAmsgrad, kMaster>(c, i, grad_scale, s);
   }
-  for (int i = scalar_begin + thread; i < work.numel; i += kThreads) update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
+  for (int i = scalar_begin + thread; i < work.numel; i += kThreads)
+    update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
 }
 
 bool vector_aligned(const AdamTensorPtrs& t, bool amsgrad, bool has_master) {
@@ -262,11 +263,14 @@ void adam_step_cuda(const AdamLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if (launch.amsgrad) {
-        launch.has_master ? launch_adam_chunks<P, G, true, true>(launch) : launch_adam_chunks<P, G, true, false>(launch);
+      if (launch.amsgrad && launch.has_master) {
+        launch_adam_chunks<P, G, true, true>(launch);
+      } else if (launch.amsgrad) {
+        launch_adam_chunks<P, G, true, false>(launch);
+      } else if (launch.has_master) {
+        launch_adam_chunks<P, G, false, true>(launch);
       } else {
-        launch.has_master ? launch_adam_chunks<P, G, false, true>(launch)
-                          : launch_adam_chunks<P, G, false, false>(launch);
+        launch_adam_chunks<P, G, false, false>(launch);
       }
     });
   });

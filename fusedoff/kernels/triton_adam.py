@@ -326,7 +326,7 @@ def adam_step_(
                 exp_avg_sqs[i],
                 max_exp_avg_sqs[i] if amsgrad else None,
                 master_params[i] if master_params else None,
-                steps[0],
+                steps[i],
                 grad_scale,
                 found_inf,
                 numel,
