@@ -30,7 +30,7 @@ def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -
     if found_inf is None:
         torch._foreach_add_(list(steps), 1.0)
     else:
-        torch._foreach_add_(list(steps), [1.0 - found_inf.to(steps[0].device)] * len(steps))
+        torch._foreach_add_(list(steps), [1.0 - found_inf.reshape(()).to(steps[0].device)] * len(steps))
 
 
 def adam_step_(

@@ -26,8 +26,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Odd sizes and a 0-d tensor in one list: 1 and 7 are shorter than a block, 4097 spans five 1024-element
 # blocks with a one-element tail.
 SHAPES = ((1,), (7,), (4097,), ())
-# Each tensor has its own step count (the last one near the end of the bias-correction range), so a
-# kernel reading another tensor's step, or the host's, shows.
+# Each tensor has its own step count, so a kernel reading another tensor's step shows. At t ~ 10^4
+# the bias corrections are ~1 and no longer cancel the rounding of the (1 - beta2) constant: a kernel
+# computing 1 - fp32(beta2) instead of fp32(1 - beta2) fails there (4.0e-6 vs 6.5e-7 for fp32 params).
 INITIAL_STEPS = (0, 0, 3, 10_000)
 NUM_STEPS = 20
 LR = 1e-2  # large enough that bf16 params move by more than an ulp per step
@@ -141,8 +142,8 @@ def _check_against_oracle(device, param_dtype, grad_dtype, hyper, *, master=Fals
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("param_dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=lambda d: f"g{_dtype_id(d)}")
+@pytest.mark.parametrize("param_dtype", DTYPES, ids=lambda d: f"p{_dtype_id(d)}")
 def test_dtypes_against_float64_oracle(device, param_dtype, grad_dtype):
     _check_against_oracle(device, param_dtype, grad_dtype, _hyper())
 
@@ -340,8 +341,6 @@ def test_bad_arguments_raise_before_anything_is_written(device, case):
 
 @pytest.mark.cuda
 def test_tensors_on_two_devices_raise():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     problem = _make_problem("cuda", torch.float32, torch.float32, num_steps=1)
     grads = list(problem["grads"][0])
     grads[2] = grads[2].cpu()
@@ -353,8 +352,8 @@ def test_tensors_on_two_devices_raise():
 @pytest.mark.cuda
 def test_new_hyperparameters_do_not_recompile():
     """lr, betas, eps, weight_decay and the step are run-time values: changing them compiles nothing."""
-    if not torch.cuda.is_available() or triton_adam.INTERPRETED:
-        pytest.skip("needs a CUDA GPU and compiled (not interpreted) Triton")
+    if triton_adam.INTERPRETED:
+        pytest.skip("the interpreter compiles nothing")
     import triton
 
     problem = _make_problem("cuda", torch.bfloat16, torch.float32, amsgrad=True, master=True, num_steps=4)

@@ -74,5 +74,5 @@ def adam_step_(
             updates.append((master, p))
         for target, value in updates:
             if found_inf is not None:
-                value = torch.where(found_inf.to(torch.bool), target.to(math), value)
+                value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(math), value)
             target.copy_(value)

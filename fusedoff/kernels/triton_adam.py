@@ -39,7 +39,8 @@ How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from ad
   instructions on NVIDIA GPUs (``div.full.f32``, ``sqrt.approx.ftz.f32`` in triton 3.8's sm_90 PTX).
   As in nvcc's default build, multiply-adds may be contracted to FMAs, so the backends agree to
   about an ulp, not bit for bit.
-- Loads upcast to fp32 in registers; stores round to nearest even (Triton's default fp downcast).
+- Loads upcast to fp32 in registers; stores round to nearest even (Triton's default fp downcast;
+  under the interpreter, bf16 is rounded in integer arithmetic, see ``_round_to_bf16``).
   With master weights, the fp32 master is the parameter the math updates and the param receives its
   rounded copy.
 - ``found_inf`` is loaded in the kernel: where it is non-zero every load and store is masked off, so
@@ -57,7 +58,7 @@ import triton.language as tl
 from torch import Tensor
 
 # NOTE: 1024 elements x 4 warps is the usual shape for a memory-bound elementwise kernel (8 elements
-# per thread, 16-byte fp32 vectors). Not tuned here: this machine has no GPU.
+# per thread: two 16-byte loads per fp32 stream). Not measured yet: no GPU was at hand.
 BLOCK_SIZE = 1024
 NUM_WARPS = 4
 
@@ -170,8 +171,8 @@ def _adam_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     if HAS_FOUND_INF:
         # AMP overflow: the tensor counts as empty, so every access below is masked off and nothing
-        # is written. (Not `mask & (found_inf == 0)`: the interpreter of triton 3.8 splats a scalar
-        # comparison to the dtype of its operands and then fails on the `&`.)
+        # is written. (Not `mask & (found_inf == 0)`: triton 3.8's interpreter types a scalar
+        # comparison like its fp32 operands, and broadcasting it for the `&` then fails.)
         numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
     mask = offsets < numel
     if HAS_GRAD_SCALE:
@@ -266,8 +267,8 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
             raise ValueError("fusedoff: all params of one call must share a dtype")
         if g.dtype != grads[0].dtype:
             raise ValueError("fusedoff: all grads of one call must share a dtype")
-        if g.is_sparse:
-            raise ValueError("fusedoff: sparse gradients are not supported")
+        if g.layout != torch.strided:
+            raise ValueError(f"fusedoff: sparse gradients are not supported (grads[{i}] is {g.layout})")
         if not (p.is_contiguous() and g.is_contiguous()):
             raise ValueError(f"fusedoff: params[{i}] and grads[{i}] must be contiguous")
         if g.device != device:
