@@ -8,8 +8,8 @@
 //    as the kernel argument (AdamChunkTable, under the 4 KB parameter limit). The table holds the
 //    first block of each tensor: block b works on the last tensor whose first block is <= b (a
 //    binary search) and on chunk b - first_block of it. So the table grows with the number of
-//    tensors, not of blocks: a tensor is never split across launches and a tensor of any size
-//    takes one launch. The host launches until every tensor is done.
+//    tensors, not of blocks: a tensor is never split across launches, and one launch covers any
+//    tensor up to 2^31 - 1 chunks (3.5e13 elements). The host launches until every tensor is done.
 //  - Indexing: a 64-bit base offset per block (chunk * kChunkElements), a 32-bit index inside it.
 //  - A tensor whose pointers are all 16-byte aligned is read and written with 16-byte accesses,
 //    kVectorElements per thread and step; the last (< kVectorElements) elements of its chunks, and
