@@ -1,0 +1,165 @@
+"""What every fusedoff optimizer class shares: torch.optim conventions around a fused step.
+
+A subclass names its fp32 state tensors and runs one fused step for a bucket of parameters that
+share a device and dtypes; this base validates input, creates states lazily (fp32, plus fp32
+master weights for fp16/bf16 parameters), honours GradScaler's `grad_scale`/`found_inf`, and keeps
+states in fp32 through `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from fusedoff import ops
+from fusedoff.backends import resolve_backend
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, *LOW_PRECISION)
+# Group options that fusedoff adds to torch's (filled from the defaults for foreign checkpoints).
+FUSEDOFF_OPTIONS = ("backend", "master_weights")
+
+
+class FusedOptimizer(Optimizer):
+    def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None) -> None:
+        if backend not in ("auto", *ops.BACKENDS):
+            raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
+        if master_weights not in (None, True, False):
+            raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
+        super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights})
+        for group in self.param_groups:
+            self._check_group(group)
+        # torch.amp.GradScaler sets `grad_scale` and `found_inf` on the optimizer and lets it
+        # unscale in the kernel and skip on overflow (as torch's fused AdamW does).
+        self._step_supports_amp_scaling = True
+
+    # ---- subclass interface ----------------------------------------------------------------
+    def _state_names(self, group: dict) -> tuple[str, ...]:
+        """The fp32 state tensors of one parameter, besides `step` and `master_param`."""
+        raise NotImplementedError
+
+    def _fused_step(self, group: dict, bucket: "ParamBucket") -> None:
+        """One fused step over `bucket` (steps already incremented)."""
+        raise NotImplementedError
+
+    # ---- torch.optim conventions -----------------------------------------------------------
+    def __setstate__(self, state: dict) -> None:
+        # A torch.optim (or reference) checkpoint's groups lack fusedoff's options: fill them in.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_step_supports_amp_scaling"):  # after __init__; __init__ checks all at once
+            self._check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        for p in group["params"]:
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"fusedoff supports float32, float16 and bfloat16 parameters, got {p.dtype}")
+
+    @staticmethod
+    def _uses_master(group: dict, param: Tensor) -> bool:
+        wanted = group["master_weights"]
+        return param.dtype in LOW_PRECISION and (wanted is None or wanted)
+
+    def _init_state(self, group: dict, param: Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            for name in self._state_names(group):
+                state[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            if self._uses_master(group, param):
+                state["master_param"] = param.detach().to(torch.float32, copy=True)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a fusedoff or torch.optim/reference state dict, keeping every state in fp32.
+
+        torch's loader casts floating-point states to the parameter's dtype, which would round the
+        states of bf16/fp16 parameters; so the tensors are set aside, torch loads the rest (groups,
+        hyperparameters, hooks), and the states are then placed on each parameter's device in fp32.
+        """
+        states = state_dict["state"]
+        tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
+        others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
+        super().load_state_dict({**state_dict, "state": others})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, param in zip(saved_ids, params):
+            for key, value in tensors.get(pid, {}).items():
+                value = torch.as_tensor(value)  # the reference Apollo keeps `step` as an int
+                self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+
+    @staticmethod
+    def _check_grad(param: Tensor) -> None:
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError("fusedoff does not support sparse gradients")
+        if grad.shape != param.shape:
+            raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(param.shape)}")
+        if grad.device != param.device:
+            raise RuntimeError(f"gradient on {grad.device} but parameter on {param.device}")
+        if grad.dtype not in SUPPORTED_DTYPES:
+            raise RuntimeError(f"fusedoff supports float32, float16 and bfloat16 gradients, got {grad.dtype}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+
+        # Validate everything before any state changes: a bad gradient leaves the optimizer untouched.
+        work = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                self._check_grad(p)
+            buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+            for p in params:
+                buckets[(p.device, p.dtype, p.grad.dtype, self._uses_master(group, p))].append(p)
+            for (device, _, _, master), bucket in buckets.items():
+                work.append((group, device, master, bucket, resolve_backend(group["backend"], device)))
+
+        for group, device, master, params, backend in work:
+            states = [self._init_state(group, p) for p in params]
+            bucket = ParamBucket(
+                params=[p.detach() for p in params],
+                grads=[p.grad.contiguous() for p in params],
+                states=states,
+                master_params=[s["master_param"] for s in states] if master else [],
+                steps=[s["step"] for s in states],
+                grad_scale=grad_scale.to(device, non_blocking=True) if grad_scale is not None else None,
+                found_inf=found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None,
+                backend=backend,
+            )
+            ops.increment_steps_(bucket.steps, bucket.found_inf)
+            self._fused_step(group, bucket)
+        return loss
+
+
+class ParamBucket:
+    """Parameters of one group that share a device and dtypes, with their states: one fused call."""
+
+    def __init__(self, *, params, grads, states, master_params, steps, grad_scale, found_inf, backend):
+        self.params = params
+        self.grads = grads
+        self.states = states
+        self.master_params = master_params
+        self.steps = steps
+        self.grad_scale = grad_scale
+        self.found_inf = found_inf
+        self.backend = backend
+
+    def state_list(self, name: str) -> list[Tensor]:
+        return [s[name] for s in self.states]
