@@ -3,10 +3,12 @@
 What every benchmark here needs, written once:
   * ``time_interleaved``: warm each contender up, then run them in turn (A, B, C, A, B, C, ...) so that
     a burst of load from other processes hits all of them alike; medians and quantiles, not means.
+    Let the contenders work on the same buffers where they can: on a VM the speed of a large buffer
+    depends on where it was allocated (10-25% here), a bias that interleaving does not remove.
   * ``Summary``/``summarize`` and ``paired_ratio``: median and quantiles of the per-repeat times, and of
     the per-repeat ratio of two contenders (paired because they ran back to back).
-  * ``bandwidth_kernels``: STREAM-like copy and triad over torch tensors, to be timed in the same
-    interleaved loop, so the bandwidth bound is measured under the same conditions as the kernels.
+  * ``bandwidth_kernels``: in-place scale and axpy passes (STREAM-like, no write-allocate traffic) to
+    time in the same interleaved loop, so the bandwidth bound is measured under the same conditions.
   * ``LoadMonitor``: the share of the CPUs that *other* processes used during a run (from /proc), so a
     result taken on a busy machine says so.
   * ``hardware_metadata``, ``write_csv``, ``update_results_section``: CSV rows with hardware and version
@@ -31,6 +33,7 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUANTILES = (0.1, 0.25, 0.75, 0.9)
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "neon", "asimd")
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Su
 
 @dataclass
 class BandwidthKernel:
-    """A memory-bound torch kernel and the bytes it moves per call (STREAM counting: no write-allocate)."""
+    """A memory-bound torch kernel and the bytes it reads and writes per call."""
 
     name: str
     fn: Callable[[], object]
@@ -105,23 +108,21 @@ class BandwidthKernel:
     description: str
 
 
-def bandwidth_kernels(numel: int) -> list[BandwidthKernel]:
-    """STREAM copy (8 B/element) and triad (12 B/element) on fp32 tensors of ``numel`` elements.
+def bandwidth_kernels(x: torch.Tensor, y: torch.Tensor) -> list[BandwidthKernel]:
+    """Two in-place passes over fp32 tensors, numerically no-ops so they can run on live buffers.
 
-    They run on torch's intra-op thread pool, so with ``torch.set_num_threads`` they use the same
-    thread count as the kernels under test. ``numel`` should be far beyond the last-level cache.
+    In place, like an optimizer step: every line written was read first, so the hardware moves
+    exactly the bytes counted (a STREAM copy or triad into a fresh array also reads each destination
+    line before writing it, traffic that STREAM's count leaves out). Read:write is 1:1 for the scale
+    and 2:1 for the axpy; an Adam step (4:3) lies between. They run on torch's intra-op pool, so
+    ``torch.set_num_threads`` gives them the thread count of the kernels under test. Size the
+    tensors far beyond the last-level cache.
     """
-    a = torch.rand(numel)
-    b = torch.rand(numel)
-    c = torch.empty(numel)
+    n = x.numel()
     return [
-        BandwidthKernel("stream_copy", lambda: c.copy_(a), 8 * numel, "c.copy_(a): read 4 B + write 4 B"),
-        BandwidthKernel(
-            "stream_triad",
-            lambda: torch.add(a, b, alpha=3.0, out=c),
-            12 * numel,
-            "torch.add(a, b, alpha=3, out=c): read 8 B + write 4 B",
-        ),
+        BandwidthKernel("inplace_scale", lambda: x.mul_(1.0), 8 * n, "x.mul_(1.0): read 4 B + write 4 B in place"),
+        BandwidthKernel("inplace_axpy", lambda: x.add_(y, alpha=0.0), 12 * n,
+                        "x.add_(y, alpha=0): read 8 B + write 4 B in place"),
     ]
 
 
@@ -214,7 +215,7 @@ def hardware_metadata(threads: int, extra: Mapping[str, object] | None = None) -
         "sockets": cpu.get("Socket(s)", ""),
         "threads_per_core": cpu.get("Thread(s) per core", ""),
         "l3_cache": cpu.get("L3 cache", ""),
-        "simd_flags": " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "neon", "asimd") if f in flags),
+        "simd_flags": " ".join(f for f in SIMD_FLAGS if f in flags),
         "hypervisor": cpu.get("Hypervisor vendor", "none"),
         "mem_total_gib": round(int(meminfo.group(1)) / 2**20, 1) if meminfo else "",
         "transparent_hugepages": thp.group(1) if thp else "",
@@ -245,7 +246,8 @@ def update_results_section(path: Path, key: str, markdown: str) -> None:
     """Replace (or append) the section between ``<!-- key:begin -->`` and ``<!-- key:end -->``."""
     begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
     block = f"{begin}\n{markdown.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmark results\n\nOne section per benchmark script, rewritten by its last run.\n\n"
+    header = "# Benchmark results\n\nOne section per benchmark script, rewritten by its last run.\n\n"
+    text = path.read_text() if path.exists() else header
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
