@@ -8,8 +8,10 @@
 #include "fusedoff/launchers.h"
 
 #if defined(FUSEDOFF_WITH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
+// CUDAStream.h rather than ATen/cuda/CUDAContext.h: the latter pulls in cuBLAS/cuSPARSE headers,
+// which a minimal toolkit (ours in CI) does not have.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace fusedoff {
@@ -130,8 +132,140 @@ void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
   AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
   if (launch.num_tensors == 0) return;
   const c10::cuda::CUDAGuard device_guard(params[0].device());
-  launch.stream = at::cuda::getCurrentCUDAStream().stream();
+  launch.stream = c10::cuda::getCurrentCUDAStream().stream();
   adam_step_cuda(launch);
+}
+#endif
+
+// ---- Apollo -------------------------------------------------------------------------------
+
+ApolloRebound parse_rebound(c10::string_view rebound) {
+  if (rebound == "constant") return ApolloRebound::Constant;
+  if (rebound == "belief") return ApolloRebound::Belief;
+  TORCH_CHECK(false, "fusedoff: rebound must be 'constant' or 'belief', got '", rebound, "'");
+}
+
+ApolloDecay parse_decay(double weight_decay, c10::string_view type) {
+  ApolloDecay decay;
+  if (type == "L2") decay = ApolloDecay::L2;
+  else if (type == "decoupled") decay = ApolloDecay::Decoupled;
+  else if (type == "stable") decay = ApolloDecay::Stable;
+  else TORCH_CHECK(false, "fusedoff: weight_decay_type must be 'L2', 'decoupled' or 'stable', got '", type, "'");
+  return weight_decay == 0.0 ? ApolloDecay::None : decay;
+}
+
+ApolloPhase parse_phase(c10::string_view phase) {
+  if (phase == "reduce") return ApolloPhase::Reduce;
+  if (phase == "full") return ApolloPhase::Full;
+  if (phase == "moments") return ApolloPhase::Moments;
+  if (phase == "finish") return ApolloPhase::Finish;
+  TORCH_CHECK(false, "fusedoff: phase must be 'reduce', 'full', 'moments' or 'finish', got '", phase, "'");
+}
+
+ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avg_grads,
+                                  at::TensorList approx_hessians, at::TensorList updates,
+                                  at::TensorList master_params, at::TensorList steps, at::TensorList stats,
+                                  at::IntArrayRef total_numels, c10::string_view phase, double lr, double base_lr,
+                                  double init_lr, double warmup, double beta, double eps, double weight_decay,
+                                  c10::string_view rebound, c10::string_view weight_decay_type,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf, std::vector<ApolloTensorPtrs>& ptrs) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avg_grads.size() == n && approx_hessians.size() == n && updates.size() == n &&
+                  steps.size() == n && stats.size() == n && total_numels.size() == n,
+              "fusedoff: params, grads, exp_avg_grads, approx_hessians, updates, steps, stats and total_numels must "
+              "have the same length");
+  TORCH_CHECK(master_params.empty() || master_params.size() == n,
+              "fusedoff: master_params must be empty or have one tensor per parameter");
+  ApolloLaunch launch{};
+  launch.num_tensors = static_cast<int64_t>(n);
+  launch.has_master = !master_params.empty();
+  launch.phase = parse_phase(phase);
+  launch.hyper = ApolloHyperparams{lr, base_lr, init_lr, warmup, beta, eps, weight_decay, parse_rebound(rebound),
+                                   parse_decay(weight_decay, weight_decay_type)};
+  if (n == 0) return launch;
+  const at::Device device = params[0].device();
+  launch.param_dtype = storage_dtype(params[0], "params");
+  launch.grad_dtype = storage_dtype(grads[0], "grads");
+  check_scalar(grad_scale, device, "grad_scale");
+  check_scalar(found_inf, device, "found_inf");
+  ptrs.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    const int64_t idx = static_cast<int64_t>(i);
+    TORCH_CHECK(p.device() == device, "fusedoff: all params of one call must be on one device; params[", i,
+                "] is on ", p.device(), ", params[0] on ", device);
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
+    TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
+                "] must be contiguous");
+    TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",
+                device);
+    TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), " elements but its parameter has ",
+                p.numel());
+    check_state(exp_avg_grads[i], p, "exp_avg_grads", idx);
+    check_state(approx_hessians[i], p, "approx_hessians", idx);
+    check_state(updates[i], p, "updates", idx);
+    if (launch.has_master) check_state(master_params[i], p, "master_params", idx);
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
+                "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
+    TORCH_CHECK(stats[i].numel() == kNumApolloStats && stats[i].scalar_type() == at::kDouble &&
+                    stats[i].device() == device && stats[i].is_contiguous(),
+                "fusedoff: stats[", i, "] must be a contiguous float64 tensor of ", kNumApolloStats, " elements on ",
+                device);
+    TORCH_CHECK(total_numels[i] >= p.numel(), "fusedoff: total_numels[", i, "] = ", total_numels[i],
+                " is smaller than the range's ", p.numel(), " elements");
+    ptrs[i] = ApolloTensorPtrs{p.data_ptr(),
+                               g.data_ptr(),
+                               exp_avg_grads[i].data_ptr<float>(),
+                               approx_hessians[i].data_ptr<float>(),
+                               updates[i].data_ptr<float>(),
+                               launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                               steps[i].data_ptr<float>(),
+                               stats[i].data_ptr<double>(),
+                               p.numel(),
+                               total_numels[i]};
+  }
+  launch.tensors = ptrs.data();
+  launch.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  return launch;
+}
+
+#define FUSEDOFF_APOLLO_ARGS                                                                                     \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avg_grads, at::TensorList approx_hessians,    \
+      at::TensorList updates, at::TensorList master_params, at::TensorList steps, at::TensorList stats,         \
+      at::IntArrayRef total_numels, c10::string_view phase, double lr, double base_lr, double init_lr,          \
+      double warmup, double beta, double eps, double weight_decay, c10::string_view rebound,                    \
+      c10::string_view weight_decay_type, const std::optional<at::Tensor>&grad_scale,                           \
+      const std::optional<at::Tensor>&found_inf
+#define FUSEDOFF_APOLLO_FORWARD                                                                                  \
+  params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, phase, lr, \
+      base_lr, init_lr, warmup, beta, eps, weight_decay, rebound, weight_decay_type, grad_scale, found_inf
+
+void apollo_step_cpu_op(FUSEDOFF_APOLLO_ARGS) {
+  std::vector<ApolloTensorPtrs> ptrs;
+  ApolloLaunch launch = describe_apollo_call(FUSEDOFF_APOLLO_FORWARD, ptrs);
+  if (launch.num_tensors == 0) return;
+  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the cpu kernel got tensors on ", params[0].device());
+  launch.num_threads = at::get_num_threads();
+  apollo_step_cpu(launch);
+}
+
+#if defined(FUSEDOFF_WITH_CUDA)
+void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
+  std::vector<ApolloTensorPtrs> ptrs;
+  ApolloLaunch launch = describe_apollo_call(FUSEDOFF_APOLLO_FORWARD, ptrs);
+  if (launch.num_tensors == 0) return;
+  const c10::cuda::CUDAGuard device_guard(params[0].device());
+  launch.stream = c10::cuda::getCurrentCUDAStream().stream();
+  // From the caching allocator, on the current stream: freed when the op returns, handed out again
+  // only to work queued after these kernels on that stream.
+  const at::Tensor workspace =
+      at::empty({apollo_cuda_workspace_bytes(launch)}, params[0].options().dtype(at::kByte));
+  launch.workspace = workspace.data_ptr();
+  apollo_step_cuda(launch);
 }
 #endif
 
@@ -144,12 +278,26 @@ TORCH_LIBRARY(fusedoff, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize, "
       "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+  // One phase of an Apollo step over tensors or ranges of tensors (see csrc/include/fusedoff/apollo.h):
+  // 'reduce' adds into `stats` (mutated), 'full' and 'finish' write params and states, 'moments'
+  // writes m, B and stats.
+  m.def(
+      "apollo_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_grads, Tensor(c!)[] approx_hessians, "
+      "Tensor(d!)[] updates, Tensor(e!)[] master_params, Tensor[] steps, Tensor(f!)[] stats, int[] total_numels, *, "
+      "str phase, float lr, float base_lr, float init_lr, float warmup, float beta, float eps, float weight_decay, "
+      "str rebound, str weight_decay_type, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fusedoff, CPU, m) { m.impl("adam_step_", &fusedoff::adam_step_cpu_op); }
+TORCH_LIBRARY_IMPL(fusedoff, CPU, m) {
+  m.impl("adam_step_", &fusedoff::adam_step_cpu_op);
+  m.impl("apollo_step_", &fusedoff::apollo_step_cpu_op);
+}
 
 #if defined(FUSEDOFF_WITH_CUDA)
-TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) { m.impl("adam_step_", &fusedoff::adam_step_cuda_op); }
+TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) {
+  m.impl("adam_step_", &fusedoff::adam_step_cuda_op);
+  m.impl("apollo_step_", &fusedoff::apollo_step_cuda_op);
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -22,6 +22,11 @@ def register_fake_kernels() -> None:
     def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, **kwargs):
         return None
 
+    @torch.library.register_fake("fusedoff::apollo_step_")
+    def _apollo_step_fake(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats,
+                          total_numels, **kwargs):
+        return None
+
 
 def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
     """Adds one to each step count, or nothing where ``found_inf`` is 1, without a host sync."""
@@ -94,6 +99,98 @@ def adam_step_(
         reference.adam_step_(*tensors, **hyper)
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+APOLLO_PHASES = ("reduce", "full", "moments", "finish")
+APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
+
+
+def apollo_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avg_grads: Sequence[Tensor],
+    approx_hessians: Sequence[Tensor],
+    updates: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    stats: Sequence[Tensor],
+    total_numels: Sequence[int],
+    *,
+    phase: str,
+    lr: float,
+    base_lr: float,
+    init_lr: float,
+    warmup: float,
+    beta: float,
+    eps: float,
+    weight_decay: float,
+    rebound: str,
+    weight_decay_type: str,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    backend: str,
+) -> None:
+    """One phase of a fused Apollo step over tensors, or contiguous ranges of tensors.
+
+    The math and the phases are in ``csrc/include/fusedoff/apollo.h``: ``reduce`` adds each range's
+    sums into its ``stats`` (float64, ``APOLLO_NUM_STATS`` each; ranges of one tensor share one),
+    then ``full`` applies the step; with ``weight_decay_type='stable'`` the apply is ``moments`` then
+    ``finish``. ``total_numels`` are the whole tensors' sizes. ``apollo_whole_step_`` runs them all.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if phase not in APOLLO_PHASES:
+        raise ValueError(f"phase must be one of {APOLLO_PHASES}, got {phase!r}")
+    if len(params) == 0:
+        return
+    tensors = (params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats)
+    hyper = dict(
+        phase=phase,
+        lr=float(lr),
+        base_lr=float(base_lr),
+        init_lr=float(init_lr),
+        warmup=float(warmup),
+        beta=float(beta),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        rebound=rebound,
+        weight_decay_type=weight_decay_type,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
+    numels = [int(n) for n in total_numels]
+    if backend in ("cpu", "cuda"):
+        _check_native_device(backend, params)
+        from fusedoff._ext import load_extension
+
+        load_extension()
+        torch.ops.fusedoff.apollo_step_(*(list(t) for t in tensors), numels, **hyper)
+    elif backend == "triton":
+        from fusedoff.kernels import triton_apollo
+
+        triton_apollo.apollo_step_(*tensors, numels, **hyper)
+    else:
+        from fusedoff.kernels import reference
+
+        reference.apollo_step_(*tensors, numels, **hyper)
+
+
+def apollo_phases(weight_decay: float, weight_decay_type: str) -> tuple[str, ...]:
+    """The phases of one whole Apollo step, in order."""
+    stable = weight_decay != 0 and weight_decay_type == "stable"
+    return ("reduce", "moments", "finish") if stable else ("reduce", "full")
+
+
+def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, *,
+                       backend: str, **hyper) -> None:
+    """A complete Apollo step over whole tensors: every phase, with fresh stats."""
+    if len(params) == 0:
+        return
+    stats = torch.zeros(len(params), APOLLO_NUM_STATS, dtype=torch.float64, device=params[0].device).unbind(0)
+    numels = [p.numel() for p in params]
+    for phase in apollo_phases(hyper["weight_decay"], hyper["weight_decay_type"]):
+        apollo_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, numels,
+                     phase=phase, backend=backend, **hyper)
 
 
 def _check_native_device(backend: str, params: Sequence[Tensor]) -> None:

@@ -154,3 +154,10 @@ def assert_matches_oracle(got: AdamProblem, baseline: AdamProblem, oracle: AdamP
         dtype = param_dtype if name == "param" else torch.float32
         atol = ulp_atol(dtype, want)
         assert err <= 2 * base_err + atol, f"{name}: error {err:.3e} vs baseline {base_err:.3e} (atol {atol:.1e})"
+
+
+def relative_l2_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all tensors together (float64)."""
+    num = sum(((g.double() - w.double().to(g.device)) ** 2).sum().item() for g, w in zip(got, want, strict=True))
+    den = sum((w.double() ** 2).sum().item() for w in want)
+    return (num / max(den, 1e-300)) ** 0.5

@@ -76,3 +76,159 @@ def adam_step_(
             if found_inf is not None:
                 value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(math), value)
             target.copy_(value)
+
+
+# ---- Apollo ---------------------------------------------------------------------------------
+# Mirrors csrc/include/fusedoff/apollo.h: the same phases, so it can stand in for any backend (and
+# be split into ranges like them). Stats are float64 tensors of 5: sum d^4, sum y*d, sum B*d^2,
+# max |y| and sum D.
+APOLLO_SIGMA = 0.01
+
+
+def _apollo_step_scalars(step: Tensor, *, lr, base_lr, init_lr, warmup, beta):
+    t = step.to(torch.float64)
+    k = t - 1
+    curr_lr = torch.where(k < warmup, (base_lr - init_lr) * k / max(warmup, 1e-300) + init_lr, torch.full_like(t, lr))
+    alpha = (1 - beta) / (1 - beta**t)
+    return alpha, curr_lr
+
+
+def apollo_step_(
+    params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, *,
+    phase: str, lr: float, base_lr: float, init_lr: float, warmup: float, beta: float, eps: float,
+    weight_decay: float, rebound: str, weight_decay_type: str, grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One phase of an Apollo step (see apollo.h), in float64 when the states are, else fp32."""
+    if phase not in ("reduce", "full", "moments", "finish"):
+        raise ValueError(f"phase must be 'reduce', 'full', 'moments' or 'finish', got {phase!r}")
+    decay = "none" if weight_decay == 0 else weight_decay_type
+    belief = rebound == "belief"
+    for i, param in enumerate(params):
+        master = master_params[i] if master_params else None
+        weights = master if master is not None else param
+        m_state, b_state, d_state, st = exp_avg_grads[i], approx_hessians[i], updates[i], stats[i]
+        math = _math_dtype(weights, m_state)
+        alpha64, curr_lr64 = _apollo_step_scalars(steps[i], lr=lr, base_lr=base_lr, init_lr=init_lr,
+                                                  warmup=warmup, beta=beta)
+        alpha, curr_lr = alpha64.to(math), curr_lr64.to(math)
+        p = weights.to(math)
+        m, b, d = m_state.to(math), b_state.to(math), d_state.to(math)
+
+        def gradient():
+            g = grads[i].to(math)
+            if grad_scale is not None:
+                g = g / grad_scale.to(math)
+            if decay == "L2":
+                g = g + weight_decay * p
+            return g
+
+        if phase == "reduce":
+            y = gradient() - m
+            d2 = d * d
+            partial = torch.stack([
+                (d2 * d2).sum(dtype=torch.float64), (y * d).sum(dtype=torch.float64),
+                (b * d2).sum(dtype=torch.float64),
+                y.abs().max().to(torch.float64) if y.numel() else torch.zeros((), dtype=torch.float64,
+                                                                              device=y.device),
+            ])
+            reduced = torch.cat([st[:3] + partial[:3], torch.maximum(st[3:4], partial[3:4])])
+            if found_inf is not None:
+                reduced = torch.where(found_inf.reshape(()).to(torch.bool), st[:4], reduced)
+            st[:4].copy_(reduced)
+            continue
+
+        e = eps if belief else eps / APOLLO_SIGMA
+        den64 = st[0].sqrt().sqrt() + e
+        delta = ((-alpha64 * st[1] - st[2]) / (den64 * den64)).to(math)
+        den = den64.to(math)
+        floor = st[3].to(math) if belief else torch.tensor(APOLLO_SIGMA, dtype=math, device=p.device)
+        shift = (eps / alpha64).to(math) if belief else torch.zeros((), dtype=math, device=p.device)
+        writes = []
+        if phase in ("full", "moments"):
+            y = gradient() - m
+            m = m + alpha * y
+            dh = d / den
+            b = b + delta * (dh * dh)
+            writes += [(m_state, m), (b_state, b)]
+        rebounded = torch.maximum(b.abs(), floor) + shift
+        if phase == "moments":
+            writes.append((st, torch.cat([st[:4], st[4:] + rebounded.sum(dtype=torch.float64)])))
+        else:
+            u = m / rebounded
+            if decay == "decoupled":
+                u = u + weight_decay * p
+            elif decay == "stable":
+                u = u + (weight_decay / (st[4] / total_numels[i])).to(math) * p
+            p = p - curr_lr * u
+            writes += [(d_state, u), (param, p)] + ([(master, p)] if master is not None else [])
+        for target, value in writes:
+            if found_inf is not None:
+                value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(value.dtype), value)
+            target.copy_(value)
+
+
+class ApolloReference(torch.optim.Optimizer):
+    """Apollo written the eager way, one whole tensor at a time, as the reference implementation
+    (XuezheMax/apollo, optim/apollo.py, sigma = 0.01) does: the oracle (run it in float64) and the
+    eager baseline of the benchmarks. It shares no code with the fused backends.
+    """
+
+    def __init__(self, params, lr, beta=0.9, eps=1e-4, rebound="constant", warmup=500, init_lr=None,
+                 weight_decay=0, weight_decay_type=None):
+        if init_lr is None:
+            init_lr = lr / 1000
+        if weight_decay_type is None:
+            weight_decay_type = "L2" if rebound == "constant" else "decoupled"
+        defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
+                        weight_decay=weight_decay, weight_decay_type=weight_decay_type)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg_grad"] = torch.zeros_like(p)
+                    state["approx_hessian"] = torch.zeros_like(p)
+                    state["update"] = torch.zeros_like(p)
+                if state["step"] < group["warmup"]:
+                    curr_lr = (group["base_lr"] - group["init_lr"]) * state["step"] / group["warmup"] + group["init_lr"]
+                else:
+                    curr_lr = group["lr"]
+                grad = p.grad
+                wd, wd_type = group["weight_decay"], group["weight_decay_type"]
+                if wd != 0 and wd_type == "L2":
+                    grad = grad.add(p, alpha=wd)
+                beta, eps = group["beta"], group["eps"]
+                m, hessian, d = state["exp_avg_grad"], state["approx_hessian"], state["update"]
+                state["step"] += 1
+                alpha = (1 - beta) / (1 - beta ** state["step"])
+                delta_grad = grad - m
+                if group["rebound"] == "belief":
+                    rebound = delta_grad.norm(p=float("inf"))
+                else:
+                    rebound, eps = APOLLO_SIGMA, eps / APOLLO_SIGMA
+                m.add_(delta_grad, alpha=alpha)
+                denom = d.norm(p=4).add(eps)
+                d.div_(denom)
+                v_sq = d.mul(d)
+                delta = delta_grad.div_(denom).mul_(d).sum().mul(-alpha) - hessian.mul(v_sq).sum()
+                hessian.addcmul_(v_sq, delta)
+                if group["rebound"] == "belief":
+                    denom = torch.max(hessian.abs(), rebound).add_(group["eps"] / alpha)
+                else:
+                    denom = hessian.abs().clamp_(min=rebound)
+                d.copy_(m.div(denom))
+                if wd != 0 and wd_type != "L2":
+                    d.add_(p, alpha=wd / denom.mean().item() if wd_type == "stable" else wd)
+                p.add_(d, alpha=-curr_lr)
+        return loss

@@ -25,22 +25,18 @@ How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from ad
 - The step count is loaded in the kernel from its float32 tensor (no ``.item()``, no host sync), and
   the bias corrections are computed from it in fp64, as the C++ does in double, then rounded once to
   fp32. Triton has no portable ``pow`` (libdevice's is CUDA/HIP-only and the interpreter has none),
-  so ``pow(beta, t)`` is ``exp2(t * log2(beta))`` in fp64 (``_pow``). With x = t * |log2 beta| its
-  relative error is about x * 2^-52, so the absolute error of ``1 - beta^t`` is at most
-  ~ x * 2^-x * 2^-52 < 2^-52 for every t, and where ``1 - beta^t`` is small (t * (1 - beta) << 1)
-  its relative error stays ~2^-52: after the rounding to fp32 it agrees with C++'s ``pow``.
+  so ``pow(beta, t)`` is ``exp2(t * log2(beta))`` in fp64 (``triton_common.fp64_pow``, whose
+  docstring bounds its error): after the rounding to fp32 it agrees with C++'s ``pow``.
   fp32 would not do: near t = 1 the cancellation in ``1 - beta2^t`` turns one fp32 ulp of
   ``beta2^t`` (6e-8) into a relative error of 6e-8 / (1 - beta2) in the bias correction, i.e. 6e-5
-  for beta2 = 0.999 and 6e-4 for 0.9999. On NVIDIA the fp64 exp2/log2 inline libdevice's code (no
-  call; checked in the sm_90 PTX); it is a few dozen scalar operations per program, free next to
-  the memory traffic.
+  for beta2 = 0.999 and 6e-4 for 0.9999.
 - fp32 divisions and the square root use ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE round-to-nearest, like
   ``/`` and ``sqrtf`` in C++): Triton's plain ``/`` and ``tl.sqrt`` lower to approximate
   instructions on NVIDIA GPUs (``div.full.f32``, ``sqrt.approx.ftz.f32`` in triton 3.8's sm_90 PTX).
   As in nvcc's default build, multiply-adds may be contracted to FMAs, so the backends agree to
   about an ulp, not bit for bit.
 - Loads upcast to fp32 in registers; stores round to nearest even (Triton's default fp downcast;
-  under the interpreter, bf16 is rounded in integer arithmetic, see ``_round_to_bf16``).
+  under the interpreter, bf16 is rounded in integer arithmetic, see ``triton_common.round_to_bf16``).
   With master weights, the fp32 master is the parameter the math updates and the param receives its
   rounded copy.
 - ``found_inf`` is loaded in the kernel: where it is non-zero every load and store is masked off, so
@@ -57,18 +53,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# NOTE: 1024 elements x 4 warps is the usual shape for a memory-bound elementwise kernel (8 elements
-# per thread: two 16-byte loads per fp32 stream). Not measured yet: no GPU was at hand.
-BLOCK_SIZE = 1024
-NUM_WARPS = 4
-
-_STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _pow(base, exponent):
-    """``pow`` for fp64 ``base`` in [0, 1] and ``exponent`` >= 0; see the module docstring."""
-    return tl.exp2(exponent * tl.log2(base))
+from fusedoff.kernels.triton_common import (
+    BLOCK_SIZE,
+    INTERPRETED,
+    NUM_WARPS,
+    check_call_device,
+    check_param_and_grad,
+    check_state,
+    check_step,
+    fp64_pow,
+    load_grad_scale,
+    load_weights,
+    program_block,
+    store_weights,
+)
 
 
 @triton.jit
@@ -97,8 +95,8 @@ def _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, DECOUPLED_WEIGHT_DE
     one_minus_beta1 = (1.0 - beta1).to(tl.float32)
     beta2_f = beta2.to(tl.float32)
     one_minus_beta2 = (1.0 - beta2).to(tl.float32)
-    step_size = (lr / (1.0 - _pow(beta1, t))).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(1.0 - _pow(beta2, t)).to(tl.float32)  # fp64 sqrt is IEEE
+    step_size = (lr / (1.0 - fp64_pow(beta1, t))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - fp64_pow(beta2, t)).to(tl.float32)  # fp64 sqrt is IEEE
     eps = eps.to(tl.float32)
     return (grad_sign, l2_decay, decay_factor, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, step_size,
             bias_correction2_sqrt, eps)
@@ -121,20 +119,6 @@ def _adam_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, grad_scale, s
     denom = tl.div_rn(tl.sqrt_rn(vhat), bias_correction2_sqrt) + eps
     param = param - step_size * tl.div_rn(exp_avg, denom)
     return param, exp_avg, exp_avg_sq, max_exp_avg_sq
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16, round to nearest even, in integer arithmetic (NaN stays NaN).
-
-    NOTE: only for the interpreter. Triton 3.8's interpreter truncates fp32 -> bf16 casts: 99,987 of
-    200,000 random fp32 bit patterns came out one ulp low, which over 20 Adam steps puts bf16 params
-    ~10 ulps off. Compiled kernels cast with ``cvt.rn.bf16.f32`` and do not use this.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -165,26 +149,11 @@ def _adam_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     """One tensor's Adam step over BLOCK_SIZE elements per program (the loop of csrc/cpu/adam_cpu.cpp)."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    if HAS_FOUND_INF:
-        # AMP overflow: the tensor counts as empty, so every access below is masked off and nothing
-        # is written. (Not `mask & (found_inf == 0)`: triton 3.8's interpreter types a scalar
-        # comparison like its fp32 operands, and broadcasting it for the `&` then fails.)
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    mask = offsets < numel
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr)
-    else:
-        grad_scale = 1.0
+    pid, offsets, mask = program_block(numel, found_inf_ptr, HAS_FOUND_INF, INDEX_64, BLOCK_SIZE)
+    grad_scale = load_grad_scale(grad_scale_ptr, HAS_GRAD_SCALE)
     s = _adam_scalars(lr, beta1, beta2, eps, weight_decay, tl.load(step_ptr), DECOUPLED_WEIGHT_DECAY, MAXIMIZE)
 
-    if HAS_MASTER:
-        p = tl.load(master_ptr + offsets, mask=mask)
-    else:
-        p = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    p = load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER)
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
@@ -199,39 +168,7 @@ def _adam_kernel(
     tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
     if AMSGRAD:
         tl.store(max_exp_avg_sq_ptr + offsets, vmax, mask=mask)
-    if HAS_MASTER:
-        tl.store(master_ptr + offsets, p, mask=mask)
-    if ROUND_BF16_IN_SOFTWARE:
-        tl.store(param_ptr + offsets, _round_to_bf16(p), mask=mask)
-    else:
-        tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
-
-
-# Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported, so
-# the kernel's type (not the environment now) says whether it is interpreted (and runs CPU tensors).
-INTERPRETED = not isinstance(_adam_kernel, triton.runtime.jit.JITFunction)
-
-
-def _check_state(state: Tensor, param: Tensor, what: str, index: int) -> None:
-    if state.dtype != torch.float32:
-        raise ValueError(f"fusedoff: {what}[{index}] must be float32, got {state.dtype}")
-    if state.device != param.device:
-        raise ValueError(f"fusedoff: {what}[{index}] is on {state.device} but its parameter is on {param.device}")
-    if not state.is_contiguous():
-        raise ValueError(f"fusedoff: {what}[{index}] must be contiguous")
-    if state.numel() != param.numel():
-        raise ValueError(
-            f"fusedoff: {what}[{index}] has {state.numel()} elements but its parameter has {param.numel()}"
-        )
-
-
-def _check_scalar(t: Tensor | None, device: torch.device, what: str) -> None:
-    if t is None:
-        return
-    if t.numel() != 1 or t.dtype != torch.float32:
-        raise ValueError(f"fusedoff: {what} must be a one-element float32 tensor")
-    if t.device != device:
-        raise ValueError(f"fusedoff: {what} is on {t.device} but the parameters are on {device}")
+    store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER, ROUND_BF16_IN_SOFTWARE)
 
 
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad,
@@ -246,44 +183,16 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
         raise ValueError("fusedoff: master_params must be empty or have one tensor per parameter")
     if n == 0:
         return
-    device = params[0].device
-    for what, first in (("params", params[0]), ("grads", grads[0])):
-        if first.dtype not in _STORAGE_DTYPES:
-            raise ValueError(f"fusedoff: {what} must be float32, float16 or bfloat16, got {first.dtype}")
-    if device.type == "cpu" and not INTERPRETED:
-        raise ValueError(
-            "fusedoff: the triton backend needs GPU tensors (CPU tensors only with TRITON_INTERPRET=1 set "
-            "before fusedoff.kernels.triton_adam is imported)"
-        )
-    _check_scalar(grad_scale, device, "grad_scale")
-    _check_scalar(found_inf, device, "found_inf")
+    device = check_call_device(params, grads, grad_scale, found_inf, __name__)
     for i, (p, g) in enumerate(zip(params, grads)):
-        if p.device != device:
-            raise ValueError(
-                f"fusedoff: all params of one call must be on one device; params[{i}] is on {p.device}, "
-                f"params[0] on {device}"
-            )
-        if p.dtype != params[0].dtype:
-            raise ValueError("fusedoff: all params of one call must share a dtype")
-        if g.dtype != grads[0].dtype:
-            raise ValueError("fusedoff: all grads of one call must share a dtype")
-        if g.layout != torch.strided:
-            raise ValueError(f"fusedoff: sparse gradients are not supported (grads[{i}] is {g.layout})")
-        if not (p.is_contiguous() and g.is_contiguous()):
-            raise ValueError(f"fusedoff: params[{i}] and grads[{i}] must be contiguous")
-        if g.device != device:
-            raise ValueError(f"fusedoff: grads[{i}] is on {g.device} but its parameter is on {device}")
-        if g.numel() != p.numel():
-            raise ValueError(f"fusedoff: grads[{i}] has {g.numel()} elements but its parameter has {p.numel()}")
-        _check_state(exp_avgs[i], p, "exp_avgs", i)
-        _check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i)
+        check_param_and_grad(i, p, g, params, grads, device)
+        check_state(exp_avgs[i], p, "exp_avgs", i)
+        check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i)
         if amsgrad:
-            _check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i)
+            check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i)
         if master_params:
-            _check_state(master_params[i], p, "master_params", i)
-        step = steps[i]
-        if step.numel() != 1 or step.dtype != torch.float32 or step.device != device:
-            raise ValueError(f"fusedoff: steps[{i}] must be a one-element float32 tensor on {device}")
+            check_state(master_params[i], p, "master_params", i)
+        check_step(steps[i], i, device)
 
 
 def adam_step_(

@@ -1,5 +1,6 @@
 """The thin torch.optim.Optimizer classes."""
 
 from fusedoff.optim.adam import Adam, AdamW
+from fusedoff.optim.apollo import Apollo
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "Apollo"]

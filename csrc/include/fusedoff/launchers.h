@@ -2,11 +2,15 @@
 #pragma once
 
 #include "fusedoff/adam.h"
+#include "fusedoff/apollo.h"
 
 namespace fusedoff {
 
 // Host kernel: OpenMP across `launch.num_threads` threads, SIMD chosen at run time (cpu/isa.h).
 void adam_step_cpu(const AdamLaunch& launch);
+
+// Host Apollo kernel, one phase of the step (see apollo.h).
+void apollo_step_cpu(const ApolloLaunch& launch);
 
 // The instruction set the host kernels dispatch to on this CPU ("avx512", "avx2", "baseline").
 const char* cpu_isa_name();
@@ -14,6 +18,10 @@ const char* cpu_isa_name();
 #if defined(FUSEDOFF_WITH_CUDA)
 // Device kernel: multi-tensor launches on `launch.stream`; pointers are device pointers.
 void adam_step_cuda(const AdamLaunch& launch);
+void apollo_step_cuda(const ApolloLaunch& launch);
+// The device memory apollo_step_cuda needs in `launch.workspace` (per-block partial sums of the
+// 'reduce' and 'moments' phases; 0 for the others), for the caller to take from its allocator.
+int64_t apollo_cuda_workspace_bytes(const ApolloLaunch& launch);
 #endif
 
 }  // namespace fusedoff

@@ -1,0 +1,171 @@
+// The multi-tensor launch machinery shared by the device kernels (adam_cuda.cu, apollo_cuda.cu).
+// ATen-free; for .cu files only.
+//
+//  - Every tensor is cut into chunks of kChunkElements; one thread block of kThreads works on one
+//    chunk.
+//  - One launch serves up to a table's capacity of tensors. Their pointers and a block table travel
+//    by value as the kernel argument (ChunkTable, kept under the 4 KB parameter limit by each user).
+//    The table holds the first block of each tensor: block b works on the last tensor whose first
+//    block is <= b (a binary search) and on chunk b - first_block of it. So the table grows with
+//    the number of tensors, not of blocks: a tensor is never split across launches, and one launch
+//    covers any tensor up to 2^31 - 1 chunks (3.5e13 elements). The host launches until every
+//    tensor is done (fill_chunk_table).
+//  - Indexing: a 64-bit base offset per block (chunk * kChunkElements), a 32-bit index inside it.
+//  - 16-byte loads and stores with conversion to and from fp32 (load_vector, store_vector), for
+//    tensors whose pointers are all 16-byte aligned; the kernels fall back to scalar accesses for
+//    the others and for the last (< kVectorElements) elements of a chunk.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "fusedoff/dtypes.h"
+#include "fusedoff/macros.h"
+
+namespace fusedoff {
+namespace multi_tensor {
+
+// NOTE: not measured yet (written on a machine without a GPU). 256 threads and 16K elements per
+// block: 16 (fp32) or 8 (16-bit params or grads) vector steps per thread, enough blocks that a
+// 16M-element tensor fills two waves of an H100/H200, and a per-block prologue (a search over the
+// table and two double pows, about 1 us) that is a few percent of the block's memory time.
+constexpr int kThreads = 256;
+constexpr int kChunkElements = 16384;
+constexpr int64_t kMaxBlocksPerLaunch = 2147483647;  // gridDim.x limit
+static_assert(kThreads % 32 == 0, "blocks are whole warps");
+
+// The blocks (chunks) that cover `numel` elements: 0 for an empty tensor.
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE int64_t chunks_of(int64_t numel) {
+  return (numel + kChunkElements - 1) / kChunkElements;
+}
+
+// The kernel argument of one launch: the tensors, what every block shares, and the first block of
+// each tensor. TensorPtrs must have an int64_t `numel`.
+template <typename TensorPtrs, typename LaunchArgs, int kMaxTensors>
+struct ChunkTable {
+  static constexpr int kCapacity = kMaxTensors;
+  TensorPtrs tensors[kMaxTensors];
+  LaunchArgs args;
+  int32_t first_block[kMaxTensors];  // strictly increasing: empty tensors are left out
+  int32_t num_tensors;
+  bool vector_aligned[kMaxTensors];  // the tensor's pointers that the kernel uses are 16-byte aligned
+};
+
+// What one block works on: elements [begin, begin + numel) of tensor `slot` of the table.
+struct BlockWork {
+  int slot;
+  int64_t begin;
+  int numel;
+};
+
+template <typename Table>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE BlockWork block_work(const Table& table, int block) {
+  int lo = 0;  // first_block[0] == 0 <= block
+  int hi = table.num_tensors - 1;
+  while (lo < hi) {  // the last slot whose first block is <= block
+    const int mid = (lo + hi + 1) / 2;
+    if (table.first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t begin = static_cast<int64_t>(block - table.first_block[lo]) * kChunkElements;
+  const int64_t left = table.tensors[lo].numel - begin;
+  return {lo, begin, static_cast<int>(left < kChunkElements ? left : kChunkElements)};
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Fills `table` (all but `table.args`) with the tensors from `next_tensor` on that fit in one
+// launch, advances `next_tensor` past them and returns the launch's number of blocks: 0 when no
+// tensor is left. `vector_aligned(tensor)` says whether the tensor takes the 16-byte path.
+template <typename Table, typename TensorPtrs, typename VectorAligned>
+int64_t fill_chunk_table(const TensorPtrs* tensors, int64_t num_tensors, int64_t& next_tensor, Table& table,
+                         VectorAligned&& vector_aligned, const char* op_name) {
+  table.num_tensors = 0;
+  int64_t blocks = 0;
+  for (; next_tensor < num_tensors && table.num_tensors < Table::kCapacity; ++next_tensor) {
+    const TensorPtrs& t = tensors[next_tensor];
+    if (t.numel == 0) continue;
+    const int64_t tensor_blocks = chunks_of(t.numel);
+    if (tensor_blocks > kMaxBlocksPerLaunch)
+      throw std::runtime_error(std::string("fusedoff: ") + op_name + ": tensor " + std::to_string(next_tensor) +
+                               " has " + std::to_string(t.numel) + " elements, more than one launch can cover");
+    if (blocks + tensor_blocks > kMaxBlocksPerLaunch) break;  // it opens the next launch
+    const int slot = table.num_tensors++;
+    table.tensors[slot] = t;
+    table.first_block[slot] = static_cast<int32_t>(blocks);
+    table.vector_aligned[slot] = vector_aligned(t);
+    blocks += tensor_blocks;
+  }
+  return blocks;
+}
+
+// Throws if the last kernel launch on this thread failed (bad configuration, too many resources).
+inline void check_launch(const char* op_name) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fusedoff: ") + op_name + ": kernel launch failed: " +
+                             cudaGetErrorString(err));
+}
+
+// Elements per thread and vector step: 16 bytes of the narrowest stored type (the state is fp32).
+template <typename P, typename G>
+constexpr int kVectorElements = 16 / static_cast<int>(sizeof(P) < sizeof(G) ? sizeof(P) : sizeof(G));
+
+// 16 bytes of storage elements: one 128-bit load or store.
+template <typename T>
+struct alignas(16) Word16 {
+  T elems[16 / sizeof(T)];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_vector(const T* src, float (&dst)[N]) {
+  constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
+  static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
+#pragma unroll
+  for (int w = 0; w < N / kPerWord; ++w) {
+    const Word16<T> word = reinterpret_cast<const Word16<T>*>(src)[w];
+#pragma unroll
+    for (int k = 0; k < kPerWord; ++k) dst[w * kPerWord + k] = load_float(&word.elems[k]);
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_vector(T* dst, const float (&src)[N]) {
+  constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
+  static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
+#pragma unroll
+  for (int w = 0; w < N / kPerWord; ++w) {
+    Word16<T> word;
+#pragma unroll
+    for (int k = 0; k < kPerWord; ++k) store_float(&word.elems[k], src[w * kPerWord + k]);
+    reinterpret_cast<Word16<T>*>(dst)[w] = word;
+  }
+}
+
+// N elements at `src`: one scalar access for N == 1 (any alignment), 16-byte words otherwise.
+template <int N, typename T>
+__device__ __forceinline__ void load_elements(const T* src, float (&dst)[N]) {
+  if constexpr (N == 1) {
+    dst[0] = load_float(src);
+  } else {
+    load_vector(src, dst);
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_elements(T* dst, const float (&src)[N]) {
+  if constexpr (N == 1) {
+    store_float(dst, src[0]);
+  } else {
+    store_vector(dst, src);
+  }
+}
+
+}  // namespace multi_tensor
+}  // namespace fusedoff

@@ -1,0 +1,175 @@
+"""What the Triton backends share: launch shape, fp64 ``pow``, the interpreter's bf16 rounding, a
+program's block (with found_inf), the loads and stores of the weights, and the argument checks that
+mirror csrc/ops.cpp.
+
+Importing this module decorates its kernels' helpers, which is when Triton decides whether it runs
+through its interpreter: ``INTERPRETED`` records that decision (TRITON_INTERPRET=1 must be set before).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# NOTE: 1024 elements x 4 warps is the usual shape for a memory-bound elementwise kernel (8 elements
+# per thread: two 16-byte loads per fp32 stream). Not measured yet: no GPU was at hand.
+BLOCK_SIZE = 1024
+NUM_WARPS = 4
+
+STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def fp64_pow(base, exponent):
+    """``pow`` for fp64 ``base`` in [0, 1] and ``exponent`` >= 0: ``exp2(exponent * log2(base))``.
+
+    Triton has no portable ``pow`` (libdevice's is CUDA/HIP-only and the interpreter has none). For
+    ``beta^t`` with x = t * |log2 beta| the relative error is about x * 2^-52, so the absolute error
+    of ``1 - beta^t`` is at most ~ x * 2^-x * 2^-52 < 2^-52 for every t, and where ``1 - beta^t`` is
+    small (t * (1 - beta) << 1) its relative error stays ~2^-52: after rounding to fp32 it agrees
+    with C++'s ``pow``. On NVIDIA the fp64 exp2/log2 inline libdevice's code (no call; checked in
+    the sm_90 PTX); a few dozen scalar operations per program, free next to the memory traffic.
+    """
+    return tl.exp2(exponent * tl.log2(base))
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16, round to nearest even, in integer arithmetic (NaN stays NaN).
+
+    NOTE: only for the interpreter. Triton 3.8's interpreter truncates fp32 -> bf16 casts: 99,987 of
+    200,000 random fp32 bit patterns came out one ulp low, which over 20 Adam steps puts bf16 params
+    ~10 ulps off. Compiled kernels cast with ``cvt.rn.bf16.f32`` and do not use this.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def program_block(numel, found_inf_ptr, HAS_FOUND_INF: tl.constexpr, INDEX_64: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr):
+    """This program's index, offsets and mask in a tensor of ``numel`` elements."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    if HAS_FOUND_INF:
+        # AMP overflow: the tensor counts as empty, so every access is masked off and nothing is
+        # written. (Not `mask & (found_inf == 0)`: triton 3.8's interpreter types a scalar
+        # comparison like its fp32 operands, and broadcasting it for the `&` then fails.)
+        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
+    return pid, offsets, offsets < numel
+
+
+@triton.jit
+def load_grad_scale(grad_scale_ptr, HAS_GRAD_SCALE: tl.constexpr):
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+    else:
+        grad_scale = 1.0
+    return grad_scale
+
+
+@triton.jit
+def load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER: tl.constexpr):
+    """The fp32 weights the math updates: the master if there is one, else the param upcast.
+
+    Masked-off lanes are undefined (no ``other=``, which keeps triton_adam's code as it was): a
+    caller that reduces over the block masks the terms.
+    """
+    if HAS_MASTER:
+        p = tl.load(master_ptr + offsets, mask=mask)
+    else:
+        p = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    return p
+
+
+@triton.jit
+def store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER: tl.constexpr,
+                  ROUND_BF16_IN_SOFTWARE: tl.constexpr):
+    """Writes the updated fp32 weights: the master as is, the param rounded to nearest even."""
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, p, mask=mask)
+    if ROUND_BF16_IN_SOFTWARE:
+        tl.store(param_ptr + offsets, round_to_bf16(p), mask=mask)
+    else:
+        tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+# Triton picks the interpreter when a function is decorated, i.e. when this module is imported, so
+# the decorated function's type (not the environment now) says whether kernels are interpreted (and
+# run CPU tensors).
+INTERPRETED = not isinstance(fp64_pow, triton.runtime.jit.JITFunction)
+
+
+# ---- argument checks (those of csrc/ops.cpp, all made before anything is written) ---------------
+
+
+def check_state(state: Tensor, param: Tensor, what: str, index: int) -> None:
+    """A float32 state (or master) tensor of ``param``: dtype, device, contiguity, size."""
+    if state.dtype != torch.float32:
+        raise ValueError(f"fusedoff: {what}[{index}] must be float32, got {state.dtype}")
+    if state.device != param.device:
+        raise ValueError(f"fusedoff: {what}[{index}] is on {state.device} but its parameter is on {param.device}")
+    if not state.is_contiguous():
+        raise ValueError(f"fusedoff: {what}[{index}] must be contiguous")
+    if state.numel() != param.numel():
+        raise ValueError(
+            f"fusedoff: {what}[{index}] has {state.numel()} elements but its parameter has {param.numel()}"
+        )
+
+
+def check_scalar(t: Tensor | None, device: torch.device, what: str) -> None:
+    """``grad_scale`` / ``found_inf``: absent, or one float32 element on the parameters' device."""
+    if t is None:
+        return
+    if t.numel() != 1 or t.dtype != torch.float32:
+        raise ValueError(f"fusedoff: {what} must be a one-element float32 tensor")
+    if t.device != device:
+        raise ValueError(f"fusedoff: {what} is on {t.device} but the parameters are on {device}")
+
+
+def check_call_device(params, grads, grad_scale, found_inf, module: str) -> torch.device:
+    """The call-wide checks: storage dtypes, a device the kernels can run on, the AMP scalars."""
+    device = params[0].device
+    for what, first in (("params", params[0]), ("grads", grads[0])):
+        if first.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"fusedoff: {what} must be float32, float16 or bfloat16, got {first.dtype}")
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            "fusedoff: the triton backend needs GPU tensors (CPU tensors only with TRITON_INTERPRET=1 set "
+            f"before {module} is imported)"
+        )
+    check_scalar(grad_scale, device, "grad_scale")
+    check_scalar(found_inf, device, "found_inf")
+    return device
+
+
+def check_param_and_grad(i: int, p: Tensor, g: Tensor, params, grads, device: torch.device) -> None:
+    """params[i] and grads[i] against the call: one device, one dtype each, dense, contiguous, same size."""
+    if p.device != device:
+        raise ValueError(
+            f"fusedoff: all params of one call must be on one device; params[{i}] is on {p.device}, "
+            f"params[0] on {device}"
+        )
+    if p.dtype != params[0].dtype:
+        raise ValueError("fusedoff: all params of one call must share a dtype")
+    if g.dtype != grads[0].dtype:
+        raise ValueError("fusedoff: all grads of one call must share a dtype")
+    if g.layout != torch.strided:
+        raise ValueError(f"fusedoff: sparse gradients are not supported (grads[{i}] is {g.layout})")
+    if not (p.is_contiguous() and g.is_contiguous()):
+        raise ValueError(f"fusedoff: params[{i}] and grads[{i}] must be contiguous")
+    if g.device != device:
+        raise ValueError(f"fusedoff: grads[{i}] is on {g.device} but its parameter is on {device}")
+    if g.numel() != p.numel():
+        raise ValueError(f"fusedoff: grads[{i}] has {g.numel()} elements but its parameter has {p.numel()}")
+
+
+def check_step(step: Tensor, i: int, device: torch.device) -> None:
+    if step.numel() != 1 or step.dtype != torch.float32 or step.device != device:
+        raise ValueError(f"fusedoff: steps[{i}] must be a one-element float32 tensor on {device}")
