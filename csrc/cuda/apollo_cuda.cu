@@ -176,7 +176,8 @@ __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, c
       apollo_reduce_element(apollo_grad(g[k], p[k], b.grad_scale, s), m[k], hessian[k], d[k], partial);
   } else if constexpr (kPhase == ApolloPhase::Full || kPhase == ApolloPhase::Moments) {
     constexpr bool kFinish = kPhase == ApolloPhase::Full;
-    load_param<N, kMaster>(c, i, p);
+    // 'moments' without L2 decay needs no parameter (p = 0 is never read): skip the load.
+    if constexpr (kFinish || kL2) load_param<N, kMaster>(c, i, p);
     load_elements(c.grad + i, g);
     load_elements(c.exp_avg_grad + i, m);
     load_elements(c.hessian + i, hessian);
