@@ -26,6 +26,13 @@ class AdamW(FusedOptimizer):
         master_weights: keep fp32 master weights for fp16/bf16 parameters (the kernel updates the
             master and writes the rounded value to the parameter). None means True for fp16/bf16
             parameters. States are always fp32; fp16/bf16 gradients are upcast inside the kernel.
+        offload: "none" (states on the parameters' device), "stream" (states and master weights in
+            host memory, streamed to the parameters' device chunk by chunk through `num_buffers`
+            buffers of `chunk_size` elements per state), "auto" ("stream" for CUDA parameters,
+            "none" for CPU ones).
+        chunk_size: elements per chunk (a multiple of 16; default 4M: 96 MiB of buffers for
+            AdamW with master weights and two buffers).
+        num_buffers: chunk buffer sets, >= 2 (double buffering).
 
     ``state_dict()`` uses torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``),
     plus ``master_param`` when master weights are kept. Honours ``torch.amp.GradScaler`` like
@@ -47,6 +54,9 @@ class AdamW(FusedOptimizer):
         maximize: bool = False,
         backend: str = "auto",
         master_weights: bool | None = None,
+        offload: str = "auto",
+        chunk_size: int | None = None,
+        num_buffers: int = 2,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr as a Tensor must have exactly one element")
@@ -61,21 +71,43 @@ class AdamW(FusedOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults, backend=backend, master_weights=master_weights)
+        super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
+                         chunk_size=chunk_size, num_buffers=num_buffers)
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
     def _fused_step(self, group: dict, bucket: ParamBucket) -> None:
-        beta1, beta2 = group["betas"]
-        ops.adam_step_(
+        self._adam_call(
+            group,
+            bucket,
             bucket.params,
             bucket.grads,
-            bucket.state_list("exp_avg"),
-            bucket.state_list("exp_avg_sq"),
-            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+            {name: bucket.state_list(name) for name in self._state_names(group)},
             bucket.master_params,
             bucket.steps,
+        )
+
+    def _streamed_step(self, group: dict, bucket: ParamBucket, offloaded, grads) -> None:
+        steps = {t: self.state[offloaded.params[t]]["step"] for t in grads}
+
+        def compute(chunk, buffers):
+            for call in offloaded.calls(chunk, buffers, grads):
+                self._adam_call(group, bucket, call.params, call.grads, call.states,
+                                call.states.get("master_param", []), [steps[p.tensor] for p in call.pieces])
+
+        offloaded.run(read=offloaded.names, write=offloaded.names, compute=compute, device_inputs=grads.values())
+
+    def _adam_call(self, group, bucket, params, grads, states, master_params, steps) -> None:
+        beta1, beta2 = group["betas"]
+        ops.adam_step_(
+            params,
+            grads,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states["max_exp_avg_sq"] if group["amsgrad"] else [],
+            master_params,
+            steps,
             lr=float(group["lr"]),
             beta1=beta1,
             beta2=beta2,

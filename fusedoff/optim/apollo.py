@@ -32,7 +32,9 @@ class Apollo(FusedOptimizer):
         weight_decay_type: ``'L2'`` (added to the gradient), ``'decoupled'`` (added to the update) or
             ``'stable'`` (added to the update, divided by the mean curvature); defaults to 'L2' for
             constant rebound and 'decoupled' for belief.
-        backend, master_weights: as for :class:`fusedoff.AdamW`.
+        backend, master_weights, offload, chunk_size, num_buffers: as for :class:`fusedoff.AdamW`.
+            With offload='stream' each step streams the states once per phase (reduce, apply; with
+            'stable' decay reduce, moments, finish), since the sums cover whole tensors.
 
     Every sum, max and mean of the step runs over the whole parameter tensor, as in the reference,
     computed as a deterministic reduction followed by an apply pass, without host synchronisation.
@@ -43,7 +45,8 @@ class Apollo(FusedOptimizer):
     def __init__(self, params, lr: float, beta: float = 0.9, eps: float = 1e-4, rebound: str = "constant",
                  warmup: int = 500, init_lr: float | None = None, weight_decay: float = 0,
                  weight_decay_type: str | None = None, *, backend: str = "auto",
-                 master_weights: bool | None = None) -> None:
+                 master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
+                 num_buffers: int = 2) -> None:
         if not 0.0 < lr:
             raise ValueError(f"Invalid learning rate value: {lr}")
         if not 0.0 <= eps:
@@ -66,7 +69,8 @@ class Apollo(FusedOptimizer):
             raise ValueError(f"Invalid weight decay type: {weight_decay_type}")
         defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
                         weight_decay=weight_decay, weight_decay_type=weight_decay_type)
-        super().__init__(params, defaults, backend=backend, master_weights=master_weights)
+        super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
+                         chunk_size=chunk_size, num_buffers=num_buffers)
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg_grad", "approx_hessian", "update")
@@ -80,6 +84,45 @@ class Apollo(FusedOptimizer):
             bucket.state_list("update"),
             bucket.master_params,
             bucket.steps,
+            backend=bucket.backend,
+            **self._hyper(group, bucket),
+        )
+
+    def _streamed_step(self, group: dict, bucket: ParamBucket, offloaded, grads) -> None:
+        """Each phase is one pass of the pipeline over the chunks; the whole-tensor sums gather in
+        `stats` on the device across the chunks a tensor spans."""
+        hyper = self._hyper(group, bucket)
+        device = offloaded.params[0].device
+        stats = torch.zeros(len(offloaded.params), ops.APOLLO_NUM_STATS, dtype=torch.float64, device=device)
+        steps = {t: self.state[offloaded.params[t]]["step"] for t in grads}
+        moments = ("exp_avg_grad", "approx_hessian", "update")
+        master = ("master_param",) if "master_param" in offloaded.names else ()
+        l2 = group["weight_decay"] != 0 and group["weight_decay_type"] == "L2"
+        # Every backend reads the parameter in 'reduce' and 'moments' only with L2 decay.
+        passes = {  # phase: (states read in, states written back)
+            "reduce": (moments + (master if l2 else ()), ()),
+            "full": (moments + master, moments + master),
+            "moments": (moments + (master if l2 else ()), moments[:2]),
+            "finish": (moments[:2] + master, moments[2:] + master),
+        }
+        for phase in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]):
+            read, write = passes[phase]
+
+            def compute(chunk, buffers, phase=phase):
+                for call in offloaded.calls(chunk, buffers, grads):
+                    ops.apollo_step_(
+                        call.params, call.grads, call.states["exp_avg_grad"], call.states["approx_hessian"],
+                        call.states["update"], call.states.get("master_param", []),
+                        [steps[p.tensor] for p in call.pieces], [stats[p.tensor] for p in call.pieces],
+                        [offloaded.params[p.tensor].numel() for p in call.pieces],
+                        phase=phase, backend=bucket.backend, **hyper,
+                    )
+
+            offloaded.run(read=read, write=write, compute=compute, device_inputs=[stats, *grads.values()])
+
+    @staticmethod
+    def _hyper(group: dict, bucket: ParamBucket) -> dict:
+        return dict(
             lr=float(group["lr"]),
             base_lr=float(group["base_lr"]),
             init_lr=float(group["init_lr"]),
@@ -91,7 +134,6 @@ class Apollo(FusedOptimizer):
             weight_decay_type=group["weight_decay_type"],
             grad_scale=bucket.grad_scale,
             found_inf=bucket.found_inf,
-            backend=bucket.backend,
         )
 
     def state_dict(self) -> dict:

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
+from fusedoff.offload import OffloadedBucket, OffloadEngine
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, *LOW_PRECISION)
@@ -24,8 +25,16 @@ SUPPORTED_DTYPES = (torch.float32, *LOW_PRECISION)
 FUSEDOFF_OPTIONS = ("backend", "master_weights")
 
 
+OFFLOAD_MODES = ("auto", "none", "stream")
+
+
 class FusedOptimizer(Optimizer):
-    def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None) -> None:
+    def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
+                 chunk_size: int | None = None, num_buffers: int = 2) -> None:
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+        self._offload = offload
+        self._engine = OffloadEngine(chunk_size, num_buffers)
         if backend not in ("auto", *ops.BACKENDS):
             raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
         if master_weights not in (None, True, False):
@@ -45,6 +54,44 @@ class FusedOptimizer(Optimizer):
     def _fused_step(self, group: dict, bucket: "ParamBucket") -> None:
         """One fused step over `bucket` (steps already incremented)."""
         raise NotImplementedError
+
+    def _streamed_step(self, group: dict, bucket: "ParamBucket", offloaded: OffloadedBucket,
+                       grads: dict[int, Tensor]) -> None:
+        """One fused step with the states in `offloaded` (host memory), through its pipeline;
+        `grads` maps the positions of the stepping tensors in `offloaded.params` to their gradients."""
+        raise NotImplementedError
+
+    # ---- offload -----------------------------------------------------------------------------
+    def _streams(self, device: torch.device) -> bool:
+        """Whether states of parameters on `device` live in host memory and stream through the engine."""
+        return self._offload == "stream" or (self._offload == "auto" and device.type == "cuda")
+
+    def _offloaded_bucket(self, group: dict, param: Tensor) -> OffloadedBucket:
+        """The engine bucket holding `param`'s states: every parameter of its group sharing its
+        device, dtype and master-weight setting (fixed at first use)."""
+        master = self._uses_master(group, param)
+        key = (self.param_groups.index(group), param.device, param.dtype, master)
+        members = [p for p in group["params"]
+                   if p.device == param.device and p.dtype == param.dtype and self._uses_master(group, p) == master]
+        names = self._state_names(group) + (("master_param",) if master else ())
+        return self._engine.bucket(key, members, names, lambda name, p: p if name == "master_param" else None)
+
+    def memory_stats(self) -> dict:
+        """Where the optimizer's bytes are: host state (and whether it is pinned) and device memory.
+
+        ``device_bytes`` is what the optimizer holds on the device now (its streaming buffers, and
+        for offload='none' its states); ``device_peak_bytes`` the most it has held.
+        """
+        stats = self._engine.memory_stats()
+        resident = sum(
+            t.numel() * t.element_size()
+            for state in self.state.values()
+            for key, t in state.items()
+            if isinstance(t, Tensor) and key != "step" and t.device.type == "cuda"
+        )
+        stats["device_bytes"] += resident
+        stats["device_peak_bytes"] = max(stats["device_peak_bytes"], stats["device_bytes"])
+        return stats
 
     # ---- torch.optim conventions -----------------------------------------------------------
     def __setstate__(self, state: dict) -> None:
@@ -91,12 +138,18 @@ class FusedOptimizer(Optimizer):
         tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
         others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
         super().load_state_dict({**state_dict, "state": others})
+        self._engine.wait_host()
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, param in zip(saved_ids, params):
+        owners = [(g, p) for g in self.param_groups for p in g["params"]]
+        for pid, (group, param) in zip(saved_ids, owners):
+            streamed = self._offloaded_bucket(group, param) if self._streams(param.device) else None
             for key, value in tensors.get(pid, {}).items():
                 value = torch.as_tensor(value)  # the reference Apollo keeps `step` as an int
-                self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                if streamed is not None and key in streamed.names:
+                    # Host states stay in host memory: a large run resumes without touching the GPU.
+                    streamed.store.write(key, streamed.index[id(param)], value.to(torch.float32))
+                else:
+                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
     @staticmethod
     def _check_grad(param: Tensor) -> None:
@@ -132,6 +185,9 @@ class FusedOptimizer(Optimizer):
                 work.append((group, device, master, bucket, resolve_backend(group["backend"], device)))
 
         for group, device, master, params, backend in work:
+            if self._streams(device):
+                self._step_streamed(group, device, params, backend, grad_scale, found_inf)
+                continue
             states = [self._init_state(group, p) for p in params]
             bucket = ParamBucket(
                 params=[p.detach() for p in params],
@@ -146,6 +202,48 @@ class FusedOptimizer(Optimizer):
             ops.increment_steps_(bucket.steps, bucket.found_inf)
             self._fused_step(group, bucket)
         return loss
+
+
+    def _step_streamed(self, group, device, params, backend, grad_scale, found_inf) -> None:
+        by_bucket: dict[int, tuple[OffloadedBucket, dict[int, Tensor]]] = {}
+        for p in params:
+            offloaded = self._offloaded_bucket(group, p)
+            by_bucket.setdefault(id(offloaded), (offloaded, {}))[1][offloaded.index[id(p)]] = p.grad.contiguous()
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        for offloaded, grads in by_bucket.values():
+            stepping = [offloaded.params[t] for t in grads]
+            bucket = ParamBucket(
+                params=[p.detach() for p in stepping],
+                grads=list(grads.values()),
+                states=[self.state[p] for p in stepping],
+                master_params=[],
+                steps=[self.state[p]["step"] for p in stepping],
+                grad_scale=grad_scale.to(device, non_blocking=True) if grad_scale is not None else None,
+                found_inf=found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None,
+                backend=backend,
+            )
+            ops.increment_steps_(bucket.steps, bucket.found_inf)
+            self._streamed_step(group, bucket, offloaded, grads)
+
+    def state_dict(self) -> dict:
+        """torch's layout; streamed states are read from host memory (views where a state lies in
+        one slab, copies otherwise), after the last step's copies back have finished."""
+        self._engine.wait_host()
+        state_dict = super().state_dict()
+        if not self._engine.buckets:
+            return state_dict
+        ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        packed = dict(state_dict["state"])
+        for offloaded in self._engine.buckets.values():
+            for t, p in enumerate(offloaded.params):
+                pid = ids[id(p)]
+                if pid in packed:  # parameters that never stepped have no state, as in torch
+                    states = {name: offloaded.store.read(name, t).view(p.shape) for name in offloaded.names}
+                    packed[pid] = {**packed[pid], **states}
+        state_dict["state"] = packed
+        return state_dict
 
 
 class ParamBucket:

@@ -1,0 +1,104 @@
+"""StreamPipeline: moves chunks of host state through a few device buffers around a compute step.
+
+For each chunk of a ChunkPlan: copy the states it reads into a free buffer set (copy-in stream),
+run the caller's compute on the buffers (compute stream), copy the states it writes back to host
+memory (copy-out stream). Streams are ordered by events only, so chunk i+1's copy-in overlaps
+chunk i's compute and chunk i-1's copy-out, and a buffer set is refilled only after its copy-out
+has finished. `run` returns with the work enqueued; `wait_host` blocks until host state is final.
+
+With CPU parameters the same bookkeeping runs with host buffers and plain copies, no streams: the
+chunking, buffer rotation and piece views are exercised exactly as on a GPU.
+
+The pipeline knows chunks, buffers, streams and events; what the compute does is the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from fusedoff.offload.plan import Chunk, ChunkPlan
+from fusedoff.offload.store import HostStateStore
+
+
+class StreamPipeline:
+    def __init__(self, device: torch.device, chunk_size: int, num_buffers: int) -> None:
+        if num_buffers < 2:
+            raise ValueError(f"num_buffers must be >= 2, got {num_buffers}")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.chunk_size = chunk_size
+        # buffers[set][slot]: one fp32 chunk per state a pass moves; grown to the most states any
+        # bucket has (all buckets of a device share them: GPU memory is bounded by the buffers).
+        self.buffers: list[list[Tensor]] = [[] for _ in range(num_buffers)]
+        self._free: list[torch.cuda.Event | None] = [None] * num_buffers
+        self._last_copy_out: torch.cuda.Event | None = None
+        if self.cuda:
+            self.copy_in = torch.cuda.Stream(device)
+            self.compute = torch.cuda.Stream(device)
+            self.copy_out = torch.cuda.Stream(device)
+
+    def run(self, plan: ChunkPlan, store: HostStateStore, *, read: Iterable[str], write: Iterable[str],
+            compute: Callable[[Chunk, dict[str, Tensor]], None], device_inputs: Iterable[Tensor] = ()) -> None:
+        """One pass over every chunk. `device_inputs` are tensors the compute reads or writes on the
+        device (grads, params, stats): the compute waits for the current stream's work on them, and
+        they are kept alive until it is done with them."""
+        read, write = tuple(read), tuple(write)
+        names = tuple(dict.fromkeys(read + write))
+        self._ensure_slots(len(names))
+        if not self.cuda:
+            for k, chunk in enumerate(plan.chunks):
+                buffers = self._views(k, chunk, names)
+                for name in read:
+                    buffers[name].copy_(store.chunk(name, chunk))
+                compute(chunk, buffers)
+                for name in write:
+                    store.chunk(name, chunk).copy_(buffers[name])
+            return
+
+        main = torch.cuda.current_stream(self.device)
+        self.compute.wait_stream(main)  # grads, params, steps and stats are produced on it
+        for t in device_inputs:
+            t.record_stream(self.compute)  # not reused by the allocator before the compute is done
+        if self._last_copy_out is not None:  # host state written by the previous pass
+            self.copy_in.wait_event(self._last_copy_out)
+        for k, chunk in enumerate(plan.chunks):
+            slot = k % len(self.buffers)
+            buffers = self._views(k, chunk, names)
+            with torch.cuda.stream(self.copy_in):
+                if self._free[slot] is not None:
+                    self.copy_in.wait_event(self._free[slot])
+                for name in read:
+                    buffers[name].copy_(store.chunk(name, chunk), non_blocking=True)
+                loaded = self.copy_in.record_event()
+            with torch.cuda.stream(self.compute):
+                self.compute.wait_event(loaded)
+                compute(chunk, buffers)
+                computed = self.compute.record_event()
+            with torch.cuda.stream(self.copy_out):
+                self.copy_out.wait_event(computed)
+                for name in write:
+                    store.chunk(name, chunk).copy_(buffers[name], non_blocking=True)
+                self._free[slot] = self.copy_out.record_event()
+        main.wait_stream(self.compute)  # the parameters are updated before anything reads them
+        self._last_copy_out = self.copy_out.record_event()
+
+    def wait_host(self) -> None:
+        """Blocks until every copy back to host memory has finished (before reading host state)."""
+        if self._last_copy_out is not None:
+            self._last_copy_out.synchronize()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for buffers in self.buffers for b in buffers)
+
+    def _ensure_slots(self, count: int) -> None:
+        for buffers in self.buffers:
+            while len(buffers) < count:
+                buffers.append(torch.empty(self.chunk_size, dtype=torch.float32, device=self.device))
+
+    def _views(self, k: int, chunk: Chunk, names: tuple[str, ...]) -> dict[str, Tensor]:
+        buffers = self.buffers[k % len(self.buffers)]
+        return {name: buffers[slot][: chunk.numel] for slot, name in enumerate(names)}

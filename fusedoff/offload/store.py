@@ -1,0 +1,86 @@
+"""HostStateStore: one bucket's fp32 states (and master weights) in host memory, chunk-contiguous.
+
+Each state is a sequence of slabs; a slab holds whole chunks of the ChunkPlan, so one chunk of one
+state is one contiguous region and moves with one copy. Slabs are bounded in size because pinning
+one huge region fails on many systems. Pinning registers ordinary host allocations with
+cudaHostRegister rather than taking them from torch's caching pinned allocator, which rounds each
+request up to a power of two: the store holds the bytes it needs and no more.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import Tensor
+
+from fusedoff.offload.plan import Chunk, ChunkPlan
+
+DEFAULT_SLAB_BYTES = 256 * 2**20
+
+
+def _pin(tensor: Tensor) -> bool:
+    """Page-locks `tensor`'s memory in place (unlocked when it is freed); False if that fails."""
+    cudart = torch.cuda.cudart()
+    nbytes = tensor.numel() * tensor.element_size()
+    if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+        return False
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    return True
+
+
+class HostStateStore:
+    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: bool,
+                 slab_bytes: int = DEFAULT_SLAB_BYTES) -> None:
+        self.plan = plan
+        self.names = names
+        self.chunks_per_slab = max(1, slab_bytes // (plan.chunk_size * 4))
+        self.pinned = pin
+        self.slabs: dict[str, list[Tensor]] = {}
+        slab_elements = self.chunks_per_slab * plan.chunk_size
+        for name in names:
+            slabs = []
+            for begin in range(0, plan.total, slab_elements):
+                slab = torch.zeros(min(slab_elements, plan.total - begin), dtype=torch.float32)
+                if self.pinned and not _pin(slab):
+                    warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
+                                  "pageable memory (slower)", stacklevel=3)
+                    self.pinned = False
+                slabs.append(slab)
+            self.slabs[name] = slabs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() * 4 for slabs in self.slabs.values() for s in slabs)
+
+    def chunk(self, name: str, chunk: Chunk) -> Tensor:
+        """The host storage of `chunk` for state `name` (a contiguous 1-D view)."""
+        slab_elements = self.chunks_per_slab * self.plan.chunk_size
+        slab, offset = divmod(chunk.flat_begin, slab_elements)
+        return self.slabs[name][slab][offset : offset + chunk.numel]
+
+    def _tensor_pieces(self, name: str, tensor: int):
+        begin = self.plan.offsets[tensor]
+        numel = self.plan.numels[tensor]
+        slab_elements = self.chunks_per_slab * self.plan.chunk_size
+        position = begin
+        while position < begin + numel:
+            slab, offset = divmod(position, slab_elements)
+            length = min(begin + numel - position, slab_elements - offset)
+            yield position - begin, self.slabs[name][slab][offset : offset + length]
+            position += length
+
+    def read(self, name: str, tensor: int) -> Tensor:
+        """Tensor `tensor` of state `name`, flat: a view when it lies in one slab, else a copy."""
+        pieces = list(self._tensor_pieces(name, tensor))
+        if len(pieces) == 1:
+            return pieces[0][1]
+        if not pieces:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat([p for _, p in pieces])
+
+    def write(self, name: str, tensor: int, value: Tensor) -> None:
+        flat = value.reshape(-1)
+        for offset, piece in self._tensor_pieces(name, tensor):
+            piece.copy_(flat[offset : offset + piece.numel()])
