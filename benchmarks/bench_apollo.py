@@ -57,13 +57,12 @@ AGREEMENT_STEPS, AGREEMENT_RTOL = 3, 1e-5
 # and the three states; gw y v t D q are the eager step's whole-tensor temporaries.
 #
 # Fused: the passes of apollo_whole_step_ (csrc/cpu/apollo_cpu.cpp, csrc/cuda/apollo_cuda.cu). The reduce
-# pass reads p only for L2 decay. NOTE: the 'moments' pass of 'stable' reads p although only L2 decay needs
-# it there (the kernels load it unconditionally): 4 B/param that the kernel could skip.
+# and 'moments' passes read p only for L2 decay.
 FUSED_PASSES = {
     "constant_L2": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "p g m B d", ""),
                     ("full: m, B, d, p", "p g m B d", "p m B d")],
     "belief_stable": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "g m B d", ""),
-                      ("moments: m, B, sum D", "p g m B d", "m B"),
+                      ("moments: m, B, sum D", "g m B d", "m B"),
                       ("finish: d, p with wd / mean(D)", "p m B", "d p")],
 }
 # Eager: ApolloReference.step, op by op (an op that reads one tensor twice, d.mul(d), reads it once).
