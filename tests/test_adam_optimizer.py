@@ -209,3 +209,55 @@ def test_params_without_grad_are_skipped():
     opt.step()
     assert torch.equal(b.detach(), torch.ones(4)) and b not in opt.state
     assert a.detach().lt(1).all()
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["", "grad-scaler"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+def test_clip_grad_norm_matches_torch(backend, device, use_scaler, norm_type):
+    """opt.clip_grad_norm_ folds the clip factor into the step: same trajectory as clipping the
+    gradients with torch.nn.utils.clip_grad_norm_ before torch.optim.AdamW's step."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    models = [make_model(device), make_model(device)]
+    fused = fusedoff.AdamW(models[0].parameters(), backend=backend, **kwargs)
+    ref = torch.optim.AdamW(models[1].parameters(), foreach=False, **kwargs)
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0**6) if use_scaler else None for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        x, y = torch.randn(16, 7, generator=gen).to(device), torch.randn(16, 1, generator=gen).to(device)
+        norms = []
+        for model, opt, scaler, clip in zip(models, (fused, ref), scalers,
+                                            (lambda: fused.clip_grad_norm_(0.05, norm_type),
+                                             lambda: torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.05,
+                                                                                   norm_type))):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if scaler is None:
+                loss.backward()
+                norms.append(clip())
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                norms.append(clip())
+                scaler.step(opt)
+                scaler.update()
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+        assert norms[0].item() > 0.05  # clipping is active
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_clip_grad_norm_reads_bf16_grads_without_upcasting():
+    model = make_model("cpu", torch.bfloat16)
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(opt.clip_grad_norm_(1.0), want, rtol=1e-6, atol=0)
+
+
+def test_one_group_on_two_devices_is_rejected():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match="one device"):
+        fusedoff.AdamW(params)

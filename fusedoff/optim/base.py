@@ -61,6 +61,48 @@ class FusedOptimizer(Optimizer):
         `grads` maps the positions of the stepping tensors in `offloaded.params` to their gradients."""
         raise NotImplementedError
 
+    # ---- gradient clipping -------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clips the gradients of all parameters by their total norm, inside the next step.
+
+        Returns the total norm (a tensor on the first gradient's device), computed from the
+        gradients as they are stored (fp16/bf16/fp32, accumulated in fp32, no fp32 copies). The
+        clip factor min(1, max_norm / (norm + 1e-6)) is not applied to the gradients: it is folded
+        into the divisor the next ``step()`` applies inside its kernels, so nothing synchronises
+        with the host and no gradient is rewritten. With ``torch.amp.GradScaler`` call
+        ``scaler.unscale_(opt)`` first, as for ``torch.nn.utils.clip_grad_norm_``.
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        first = grads[0].device
+        norms = [
+            n.to(first, non_blocking=True)
+            for gs in by_device.values()
+            for n in torch._foreach_norm(gs, norm_type, dtype=torch.float32)
+        ]
+        stacked = torch.stack(norms)
+        if norm_type == float("inf"):
+            total = stacked.max()
+        else:
+            total = torch.linalg.vector_norm(stacked, norm_type)
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total
+
+    def _grad_divisor(self, grad_scale: Tensor | None, device: torch.device) -> Tensor | None:
+        """What the kernels divide gradients by: the AMP scale and, after clip_grad_norm_, 1 / clip factor."""
+        clip = getattr(self, "_clip_coef", None)
+        scale = grad_scale.to(device, non_blocking=True) if grad_scale is not None else None
+        if clip is None:
+            return scale
+        clip = clip.to(device, non_blocking=True)
+        return (scale / clip if scale is not None else 1.0 / clip).reshape(()).to(torch.float32)
+
     # ---- offload -----------------------------------------------------------------------------
     def _streams(self, device: torch.device) -> bool:
         """Whether states of parameters on `device` live in host memory and stream through the engine."""
@@ -108,6 +150,9 @@ class FusedOptimizer(Optimizer):
 
     @staticmethod
     def _check_group(group: dict) -> None:
+        devices = {p.device for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"the parameters of one param group must be on one device, got {sorted(map(str, devices))}")
         for p in group["params"]:
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"fusedoff supports float32, float16 and bfloat16 parameters, got {p.dtype}")
@@ -195,12 +240,13 @@ class FusedOptimizer(Optimizer):
                 states=states,
                 master_params=[s["master_param"] for s in states] if master else [],
                 steps=[s["step"] for s in states],
-                grad_scale=grad_scale.to(device, non_blocking=True) if grad_scale is not None else None,
+                grad_scale=self._grad_divisor(grad_scale, device),
                 found_inf=found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None,
                 backend=backend,
             )
             ops.increment_steps_(bucket.steps, bucket.found_inf)
             self._fused_step(group, bucket)
+        self._clip_coef = None  # a clip factor applies to the one step after clip_grad_norm_
         return loss
 
 
@@ -220,7 +266,7 @@ class FusedOptimizer(Optimizer):
                 states=[self.state[p] for p in stepping],
                 master_params=[],
                 steps=[self.state[p]["step"] for p in stepping],
-                grad_scale=grad_scale.to(device, non_blocking=True) if grad_scale is not None else None,
+                grad_scale=self._grad_divisor(grad_scale, device),
                 found_inf=found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None,
                 backend=backend,
             )
