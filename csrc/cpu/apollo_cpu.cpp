@@ -49,13 +49,17 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   const float* __restrict__ m = t.exp_avg_grad;
   const float* __restrict__ hessian = t.approx_hessian;
   const float* __restrict__ d = t.update;
+  const P* __restrict__ param = static_cast<const P*>(t.param);
+  const float* __restrict__ master = t.master;
   const ApolloStepScalars s{a.c->alpha, a.c->curr_lr, a.c->l2_decay, 0.0};  // apollo_grad reads l2_decay only
   double sum_d4 = 0.0, sum_yd = 0.0, sum_bdd = 0.0;
   float max_abs_y = 0.0f;
   int nan_count = 0;
 #pragma omp simd reduction(+ : sum_d4, sum_yd, sum_bdd, nan_count) reduction(max : max_abs_y)
   for (int64_t i = a.begin; i < a.end; ++i) {
-    const float p = kL2 ? load_param<P, kMaster>(t, i) : 0.0f;
+    // NOTE: the parameter is read through local restrict pointers: through `t` (load_param) GCC
+    // left this loop scalar (L2 reduce, 16M fp32, 2 threads: 41.6 ms scalar, 19.6 ms vectorised).
+    const float p = kL2 ? (kMaster ? master[i] : load_float(param + i)) : 0.0f;
     const float g = apollo_grad(load_float(grad + i), p, a.grad_scale, s);
     float d4, yd, bdd, abs_y;
     apollo_reduce_terms(g, m[i], hessian[i], d[i], d4, yd, bdd, abs_y);
