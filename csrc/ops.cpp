@@ -198,6 +198,7 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
                 "] is on ", p.device(), ", params[0] on ", device);
     TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
     TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
+    TORCH_CHECK(!g.is_sparse(), "fusedoff: sparse gradients are not supported");
     TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
                 "] must be contiguous");
     TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",

@@ -54,8 +54,11 @@ def _jit_build(prebuilt_reason: str) -> types.ModuleType:
             "The pure-PyTorch backend (backend='torch') still works."
         )
 
-    cuda_home = _build.find_cuda_home() if torch.version.cuda else None
-    with_cuda = torch.version.cuda is not None and _build.cuda_build_requested(cuda_home)
+    try:
+        cuda_home = _build.find_cuda_home() if torch.version.cuda else None
+        with_cuda = torch.version.cuda is not None and _build.cuda_build_requested(cuda_home)
+    except RuntimeError as exc:  # a bad CUDA_HOME or FUSEDOFF_CUDA: say so, and degrade
+        raise NativeExtensionUnavailable(f"fusedoff: cannot build the native extension: {exc}") from exc
     if with_cuda:
         _build.prepare_cuda_environment(cuda_home)
     # One build per torch (and CUDA) version, so a torch upgrade never reuses a stale binary.

@@ -261,3 +261,22 @@ def test_one_group_on_two_devices_is_rejected():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
     with pytest.raises(ValueError, match="one device"):
         fusedoff.AdamW(params)
+
+
+def test_torch_checkpoint_into_bf16_optimizer_creates_master_weights():
+    model = make_model("cpu")
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, ref, 2, "cpu")
+    model16 = make_model("cpu").to(torch.bfloat16)
+    opt = fusedoff.AdamW(model16.parameters(), lr=1e-2, offload="none")
+    opt.load_state_dict(ref.state_dict())
+    train(model16, opt, 1, "cpu")
+    for p in model16.parameters():
+        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
+
+
+def test_failed_add_param_group_leaves_no_group():
+    opt = fusedoff.AdamW(make_model("cpu").parameters())
+    with pytest.raises(ValueError, match="supports float32"):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.float64)]})
+    assert len(opt.param_groups) == 1

@@ -248,3 +248,57 @@ def test_cuda_stream_overlaps_copies_and_kernels():
     kernel_ms = _cuda_time(resident.step)
     serial_ms = copy_in_ms + kernel_ms + copy_out_ms
     assert step_ms < 0.9 * serial_ms, f"step {step_ms:.2f} ms vs serial {serial_ms:.2f} ms: no overlap"
+
+
+# ---- regressions ---------------------------------------------------------------------------------
+
+def test_two_param_groups_of_equal_size_stream():
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    ra, rb = (torch.nn.Parameter(t.detach().clone()) for t in (a, b))
+    got = fusedoff.AdamW([{"params": [a]}, {"params": [b], "lr": 0.1}], offload="stream", chunk_size=16)
+    ref = fusedoff.AdamW([{"params": [ra]}, {"params": [rb], "lr": 0.1}], offload="none")
+    for _ in range(3):
+        for p in (a, b, ra, rb):
+            p.grad = torch.ones(5)
+        got.step()
+        ref.step()
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
+@pytest.mark.parametrize("decay_type", ["L2", "decoupled", "stable"])
+def test_apollo_streamed_tensor_sitting_out_keeps_its_states(decay_type):
+    kwargs = dict(lr=1e-2, warmup=0, weight_decay=0.01, rebound="belief", weight_decay_type=decay_type)
+    skip = lambda step, i: i != 0 and step == 2  # noqa: E731  only the first tensor steps at step 2
+    _, ref = run(lambda ps: fusedoff.Apollo(ps, offload="none", **kwargs), torch.float32, 4, skip=skip)
+    _, got = run(lambda ps: fusedoff.Apollo(ps, offload="stream", chunk_size=16, **kwargs), torch.float32, 4,
+                 skip=skip)
+    want = all_states(ref)
+    for pid, state in all_states(got).items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                assert relative_l2_error([value], [want[pid][key]]) <= 1e-5, (pid, key)
+
+
+def test_load_state_dict_into_a_stepped_streamed_optimizer_starts_fresh_states():
+    params, opt = run(lambda ps: fusedoff.AdamW(ps, offload="stream", chunk_size=16), torch.float32, 2)
+    fresh = fusedoff.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params[:1]] + params[1:],
+                           offload="stream", chunk_size=16)
+    saved = fresh.state_dict()  # no state at all
+    opt.load_state_dict(saved)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for state in opt.state_dict()["state"].values():
+        assert not state["exp_avg"].any() and state["step"].item() == 1
+
+
+def test_load_state_dict_rejects_wrong_sizes_before_changing_anything():
+    params, opt = run(lambda ps: fusedoff.AdamW(ps, offload="stream", chunk_size=16), torch.float32, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(saved)
+    bad["state"][4]["exp_avg"] = torch.zeros(params[4].numel() + 1)
+    with pytest.raises(ValueError, match="elements"):
+        opt.load_state_dict(bad)
+    for pid, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, saved["state"][pid][key])

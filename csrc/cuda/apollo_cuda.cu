@@ -26,8 +26,10 @@
 //        does every slot holding it, in slot order, so no two blocks write one stats). Each thread
 //        sums a contiguous run of a slot's partials in block order, and thread 0 adds the runs in
 //        order onto the old stats (a NaN-propagating max for max|y|). Up to kCombineThreads
-//        partials per slot (4M elements) a run is one partial and the order is exactly the host
-//        kernel's: stats += p_0, stats += p_1, ...
+//        partials per slot (4M elements) a run is one partial and the partials are added in block
+//        order, stats += p_0, stats += p_1, ... (the host kernel does the same over its own blocks;
+//        its blocks are 32K elements summed in double, these 16K summed per thread in double and
+//        across threads in fp32, so the two agree to rounding, not bit for bit).
 //    The result depends only on the split into ranges and chunks: reproducible bit for bit. Calls
 //    that share stats (ranges of a tensor in several calls) accumulate in stream order.
 #include <cuda_runtime.h>

@@ -45,8 +45,10 @@ class StreamPipeline:
         """One pass over every chunk. `device_inputs` are tensors the compute reads or writes on the
         device (grads, params, stats): the compute waits for the current stream's work on them, and
         they are kept alive until it is done with them."""
-        read, write = tuple(read), tuple(write)
-        names = tuple(dict.fromkeys(read + write))
+        # Every written state is also read: a chunk buffer goes back to host memory whole, and the
+        # pieces of tensors that sit out this step must go back as they came.
+        read, write = tuple(dict.fromkeys(tuple(read) + tuple(write))), tuple(write)
+        names = read
         self._ensure_slots(len(names))
         if not self.cuda:
             for k, chunk in enumerate(plan.chunks):

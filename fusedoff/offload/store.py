@@ -25,6 +25,7 @@ def _pin(tensor: Tensor) -> bool:
     cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
     if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+        cudart.cudaGetLastError()  # clear it, or the next launch check reports it as its own
         return False
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return True
@@ -82,5 +83,7 @@ class HostStateStore:
 
     def write(self, name: str, tensor: int, value: Tensor) -> None:
         flat = value.reshape(-1)
+        if flat.numel() != self.plan.numels[tensor]:
+            raise ValueError(f"{name}: {flat.numel()} elements for a tensor of {self.plan.numels[tensor]}")
         for offset, piece in self._tensor_pieces(name, tensor):
             piece.copy_(flat[offset : offset + piece.numel()])

@@ -40,8 +40,6 @@ class FusedOptimizer(Optimizer):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights})
-        for group in self.param_groups:
-            self._check_group(group)
         # torch.amp.GradScaler sets `grad_scale` and `found_inf` on the optimizer and lets it
         # unscale in the kernel and skip on overflow (as torch's fused AdamW does).
         self._step_supports_amp_scaling = True
@@ -111,8 +109,12 @@ class FusedOptimizer(Optimizer):
     def _offloaded_bucket(self, group: dict, param: Tensor) -> OffloadedBucket:
         """The engine bucket holding `param`'s states: every parameter of its group sharing its
         device, dtype and master-weight setting (fixed at first use)."""
+        found = self._engine.find(param)
+        if found is not None:
+            return found[0]
         master = self._uses_master(group, param)
-        key = (self.param_groups.index(group), param.device, param.dtype, master)
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)  # by identity
+        key = (group_index, param.device, param.dtype, master)
         members = [p for p in group["params"]
                    if p.device == param.device and p.dtype == param.dtype and self._uses_master(group, p) == master]
         names = self._state_names(group) + (("master_param",) if master else ())
@@ -144,9 +146,10 @@ class FusedOptimizer(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_step_supports_amp_scaling"):  # after __init__; __init__ checks all at once
-            self._check_group(self.param_groups[-1])
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        self._check_group({"params": params})  # before torch appends the group: a bad one leaves no trace
+        super().add_param_group({**param_group, "params": params})
 
     @staticmethod
     def _check_group(group: dict) -> None:
@@ -163,13 +166,16 @@ class FusedOptimizer(Optimizer):
         return param.dtype in LOW_PRECISION and (wanted is None or wanted)
 
     def _init_state(self, group: dict, param: Tensor) -> dict:
+        """The parameter's state, with whatever is missing created (a torch.optim checkpoint has no
+        master weights, for instance)."""
         state = self.state[param]
-        if not state:
+        if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            for name in self._state_names(group):
+        for name in self._state_names(group):
+            if name not in state:
                 state[name] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-            if self._uses_master(group, param):
-                state["master_param"] = param.detach().to(torch.float32, copy=True)
+        if self._uses_master(group, param) and "master_param" not in state:
+            state["master_param"] = param.detach().to(torch.float32, copy=True)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -181,11 +187,18 @@ class FusedOptimizer(Optimizer):
         """
         states = state_dict["state"]
         tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        owners = [(g, p) for g in self.param_groups for p in g["params"]]
+        for pid, (_, param) in zip(saved_ids, owners):  # check everything before changing anything
+            for key, value in tensors.get(pid, {}).items():
+                if key != "step" and torch.as_tensor(value).numel() != param.numel():
+                    raise ValueError(f"state {key!r} of parameter {pid} has {torch.as_tensor(value).numel()} elements "
+                                     f"but the parameter has {param.numel()}")
         others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
         super().load_state_dict({**state_dict, "state": others})
         self._engine.wait_host()
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        owners = [(g, p) for g in self.param_groups for p in g["params"]]
+        self._engine.buckets.clear()  # host states start afresh, like torch's self.state
+        owners = [(g, p) for g in self.param_groups for p in g["params"]]  # torch made new group dicts
         for pid, (group, param) in zip(saved_ids, owners):
             streamed = self._offloaded_bucket(group, param) if self._streams(param.device) else None
             for key, value in tensors.get(pid, {}).items():
