@@ -302,3 +302,13 @@ def test_load_state_dict_rejects_wrong_sizes_before_changing_anything():
     for pid, state in opt.state_dict()["state"].items():
         for key, value in state.items():
             assert torch.equal(value, saved["state"][pid][key])
+
+
+def test_user_state_dict_hooks_see_complete_dicts():
+    params, opt = run(lambda ps: fusedoff.AdamW(ps, offload="stream", chunk_size=16), torch.float32, 2)
+    seen = {}
+    opt.register_state_dict_post_hook(lambda o, sd: seen.update(post=set(sd["state"][4])))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.update(pre=set(sd["state"][4])))
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    assert seen["post"] == seen["pre"] == {"step", "exp_avg", "exp_avg_sq"}

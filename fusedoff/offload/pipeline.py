@@ -34,7 +34,9 @@ class StreamPipeline:
         # bucket has (all buckets of a device share them: GPU memory is bounded by the buffers).
         self.buffers: list[list[Tensor]] = [[] for _ in range(num_buffers)]
         self._free: list[torch.cuda.Event | None] = [None] * num_buffers
-        self._last_copy_out: torch.cuda.Event | None = None
+        # The last copy back into each store (by id): a pass waits for its own store's writes only,
+        # so buckets sharing this pipeline overlap one another.
+        self._last_copy_out: dict[int, torch.cuda.Event] = {}
         if self.cuda:
             self.copy_in = torch.cuda.Stream(device)
             self.compute = torch.cuda.Stream(device)
@@ -64,8 +66,8 @@ class StreamPipeline:
         self.compute.wait_stream(main)  # grads, params, steps and stats are produced on it
         for t in device_inputs:
             t.record_stream(self.compute)  # not reused by the allocator before the compute is done
-        if self._last_copy_out is not None:  # host state written by the previous pass
-            self.copy_in.wait_event(self._last_copy_out)
+        if id(store) in self._last_copy_out:  # host state written by this store's previous pass
+            self.copy_in.wait_event(self._last_copy_out[id(store)])
         for k, chunk in enumerate(plan.chunks):
             slot = k % len(self.buffers)
             buffers = self._views(k, chunk, names)
@@ -85,12 +87,12 @@ class StreamPipeline:
                     store.chunk(name, chunk).copy_(buffers[name], non_blocking=True)
                 self._free[slot] = self.copy_out.record_event()
         main.wait_stream(self.compute)  # the parameters are updated before anything reads them
-        self._last_copy_out = self.copy_out.record_event()
+        self._last_copy_out[id(store)] = self.copy_out.record_event()
 
     def wait_host(self) -> None:
         """Blocks until every copy back to host memory has finished (before reading host state)."""
-        if self._last_copy_out is not None:
-            self._last_copy_out.synchronize()
+        for event in self._last_copy_out.values():
+            event.synchronize()
 
     @property
     def buffer_bytes(self) -> int:

@@ -36,10 +36,10 @@ class HostStateStore:
                  slab_bytes: int = DEFAULT_SLAB_BYTES) -> None:
         self.plan = plan
         self.names = names
-        self.chunks_per_slab = max(1, slab_bytes // (plan.chunk_size * 4))
+        self.slab_elements = max(1, slab_bytes // (plan.chunk_size * 4)) * plan.chunk_size  # whole chunks
         self.pinned = pin
         self.slabs: dict[str, list[Tensor]] = {}
-        slab_elements = self.chunks_per_slab * plan.chunk_size
+        slab_elements = self.slab_elements
         for name in names:
             slabs = []
             for begin in range(0, plan.total, slab_elements):
@@ -57,18 +57,16 @@ class HostStateStore:
 
     def chunk(self, name: str, chunk: Chunk) -> Tensor:
         """The host storage of `chunk` for state `name` (a contiguous 1-D view)."""
-        slab_elements = self.chunks_per_slab * self.plan.chunk_size
-        slab, offset = divmod(chunk.flat_begin, slab_elements)
+        slab, offset = divmod(chunk.flat_begin, self.slab_elements)
         return self.slabs[name][slab][offset : offset + chunk.numel]
 
     def _tensor_pieces(self, name: str, tensor: int):
         begin = self.plan.offsets[tensor]
         numel = self.plan.numels[tensor]
-        slab_elements = self.chunks_per_slab * self.plan.chunk_size
         position = begin
         while position < begin + numel:
-            slab, offset = divmod(position, slab_elements)
-            length = min(begin + numel - position, slab_elements - offset)
+            slab, offset = divmod(position, self.slab_elements)
+            length = min(begin + numel - position, self.slab_elements - offset)
             yield position - begin, self.slabs[name][slab][offset : offset + length]
             position += length
 

@@ -71,6 +71,7 @@ class Apollo(FusedOptimizer):
                         weight_decay=weight_decay, weight_decay_type=weight_decay_type)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers)
+        self.register_state_dict_post_hook(Apollo._steps_as_ints, prepend=True)
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg_grad", "approx_hessian", "update")
@@ -136,10 +137,10 @@ class Apollo(FusedOptimizer):
             found_inf=bucket.found_inf,
         )
 
-    def state_dict(self) -> dict:
-        """The reference's layout: ``step`` as an int (it synchronises with the device to read it)."""
-        state_dict = super().state_dict()
-        # torch packs the live per-parameter dicts: replace them, never edit them.
+    @staticmethod
+    def _steps_as_ints(self: "Apollo", state_dict: dict) -> dict:
+        """State-dict post-hook: the reference's layout keeps ``step`` as an int (reading it
+        synchronises with the device). torch packs the live per-parameter dicts: replace them."""
         state_dict["state"] = {
             pid: {**state, "step": int(state["step"].item())} if isinstance(state.get("step"), torch.Tensor) else state
             for pid, state in state_dict["state"].items()

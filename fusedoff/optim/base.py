@@ -40,6 +40,12 @@ class FusedOptimizer(Optimizer):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights})
+        # fusedoff's own state-dict work runs as hooks, placed so that a user's hooks see complete
+        # dicts: packing first among the post-hooks, setting states aside after the user's pre-hooks,
+        # placing them first among the load post-hooks.
+        self.register_state_dict_post_hook(FusedOptimizer._pack_host_states, prepend=True)
+        self._set_aside_hook = self.register_load_state_dict_pre_hook(FusedOptimizer._set_states_aside)
+        self.register_load_state_dict_post_hook(FusedOptimizer._place_states, prepend=True)
         # torch.amp.GradScaler sets `grad_scale` and `found_inf` on the optimizer and lets it
         # unscale in the kernel and skip on overflow (as torch's fused AdamW does).
         self._step_supports_amp_scaling = True
@@ -178,27 +184,42 @@ class FusedOptimizer(Optimizer):
             state["master_param"] = param.detach().to(torch.float32, copy=True)
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a fusedoff or torch.optim/reference state dict, keeping every state in fp32.
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        if hasattr(self, "_set_aside_hook"):  # keep fusedoff's last, after every user pre-hook
+            self._optimizer_load_state_dict_pre_hooks.move_to_end(self._set_aside_hook.id)
+        return handle
+
+    @staticmethod
+    def _set_states_aside(self: "FusedOptimizer", state_dict: dict) -> dict:
+        """Load pre-hook: validates, then keeps the state tensors out of torch's loader.
 
         torch's loader casts floating-point states to the parameter's dtype, which would round the
-        states of bf16/fp16 parameters; so the tensors are set aside, torch loads the rest (groups,
-        hyperparameters, hooks), and the states are then placed on each parameter's device in fp32.
+        states of bf16/fp16 parameters, and moves them to the parameter's device, which for
+        streamed states would materialise them on the GPU. So they are set aside here and placed by
+        `_place_states` (fp32, on the device or in host memory) once torch has loaded the rest.
         """
         states = state_dict["state"]
         tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        owners = [(g, p) for g in self.param_groups for p in g["params"]]
-        for pid, (_, param) in zip(saved_ids, owners):  # check everything before changing anything
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, param in zip(saved_ids, params):  # check everything before changing anything
             for key, value in tensors.get(pid, {}).items():
                 if key != "step" and torch.as_tensor(value).numel() != param.numel():
                     raise ValueError(f"state {key!r} of parameter {pid} has {torch.as_tensor(value).numel()} elements "
                                      f"but the parameter has {param.numel()}")
+        self._states_set_aside = (saved_ids, tensors)
         others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
-        super().load_state_dict({**state_dict, "state": others})
+        return {**state_dict, "state": others}
+
+    @staticmethod
+    def _place_states(self: "FusedOptimizer") -> None:
+        """Load post-hook: puts the set-aside states in place, in fp32; streamed ones in host memory."""
+        saved_ids, tensors = self._states_set_aside
+        del self._states_set_aside
         self._engine.wait_host()
         self._engine.buckets.clear()  # host states start afresh, like torch's self.state
-        owners = [(g, p) for g in self.param_groups for p in g["params"]]  # torch made new group dicts
+        owners = [(g, p) for g in self.param_groups for p in g["params"]]
         for pid, (group, param) in zip(saved_ids, owners):
             streamed = self._offloaded_bucket(group, param) if self._streams(param.device) else None
             for key, value in tensors.get(pid, {}).items():
@@ -286,11 +307,11 @@ class FusedOptimizer(Optimizer):
             ops.increment_steps_(bucket.steps, bucket.found_inf)
             self._streamed_step(group, bucket, offloaded, grads)
 
-    def state_dict(self) -> dict:
-        """torch's layout; streamed states are read from host memory (views where a state lies in
-        one slab, copies otherwise), after the last step's copies back have finished."""
+    @staticmethod
+    def _pack_host_states(self: "FusedOptimizer", state_dict: dict) -> dict:
+        """State-dict post-hook: adds the streamed states, read from host memory (views where a
+        state lies in one slab, copies otherwise) once the last copies back have finished."""
         self._engine.wait_host()
-        state_dict = super().state_dict()
         if not self._engine.buckets:
             return state_dict
         ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -301,8 +322,7 @@ class FusedOptimizer(Optimizer):
                 if pid in packed:  # parameters that never stepped have no state, as in torch
                     states = {name: offloaded.store.read(name, t).view(p.shape) for name in offloaded.names}
                     packed[pid] = {**packed[pid], **states}
-        state_dict["state"] = packed
-        return state_dict
+        return {**state_dict, "state": packed}
 
 
 class ParamBucket:
