@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -323,20 +322,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def parse_size(text: str) -> int:
-    """'16M' -> 16 * 2**20; K, M, G are binary; plain integers as they are (as bench_cpu_adam)."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def command_line() -> str:
-    exe = Path(sys.executable)
-    try:
-        exe = exe.relative_to(Path.cwd())
-    except ValueError:
-        pass
-    return shlex.join([str(exe), *sys.argv])
 
 
 def cache_note(meta: dict, args) -> str:
@@ -368,7 +355,7 @@ def results_markdown(rows, meta, args, load_note) -> str:
   {meta['mem_total_gib']} GiB, THP {meta['transparent_hugepages']}{gpu}
 - versions: python {meta['python']}, torch {meta['torch']}, fusedoff {meta['fusedoff']}
   (cpu ISA {meta['fusedoff_cpu_isa']}); {meta['torch_threads']} threads (OpenMP runtime: {meta['openmp_runtimes']})
-- command: `{command_line()}`
+- command: `{timing.command_line()}`
 - {args.size} fp32 params ({args.size / 2**20:g}M) as {args.tensors} tensors on {args.device}, backend
   '{args.backend}'; {args.warmup} warm-up steps, then {args.repeats} interleaved repeats of the whole `opt.step()`;
   Apollo lr={LR}, beta={BETA}, eps={EPS}, weight_decay={WEIGHT_DECAY}, warmup={APOLLO_WARMUP}
@@ -399,7 +386,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu (backend 'cpu') or cuda (backend 'cuda'); default cuda if available")
-    parser.add_argument("--size", type=parse_size, default=None,
+    parser.add_argument("--size", type=timing.parse_size, default=None,
                         help="parameters, e.g. 1M (default 16M on cpu, 256M on cuda)")
     parser.add_argument("--tensors", type=int, default=4, help="parameter tensors the params are cut into (default 4)")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved repeats per contender (default 30)")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,11 +90,6 @@ def make_arena(config: str, numel: int, seed: int = 0) -> Arena:
     return arena
 
 
-def parse_size(text: str) -> int:
-    """'64M' -> 64 * 2**20; K, M, G are binary; plain integers as they are."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 # ---- contenders --------------------------------------------------------------------------------------
@@ -338,13 +332,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def command_line() -> str:
-    exe = Path(sys.executable)
-    try:
-        exe = exe.relative_to(Path.cwd())
-    except ValueError:
-        pass
-    return shlex.join([str(exe), *sys.argv])
 
 
 def results_markdown(rows, meta, args, deepspeed_status, load_note) -> str:
@@ -364,7 +351,7 @@ def results_markdown(rows, meta, args, deepspeed_status, load_note) -> str:
   (cpu ISA {meta['fusedoff_cpu_isa']}), deepspeed {deepspeed_status}; {meta['torch_threads']} threads for all
   (OpenMP runtime: {meta['openmp_runtimes']})
 - deepspeed: {meta['deepspeed_build'] or deepspeed_status}
-- command: `{command_line()}`
+- command: `{timing.command_line()}`
 - {args.size} params ({args.size / 2**20:g}M), {args.warmup} warm-up steps, then {args.repeats} interleaved repeats;
   AdamW lr={LR}, betas={BETAS}, eps={EPS}, weight_decay={WEIGHT_DECAY}
 
@@ -390,7 +377,7 @@ Files: `bench_cpu_adam.csv` (one row per contender, hardware and version columns
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=parse_size, default=64 * 2**20, help="parameters, e.g. 64M (default) or 1M")
+    parser.add_argument("--size", type=timing.parse_size, default=64 * 2**20, help="parameters, e.g. 64M (default) or 1M")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved repeats per contender (default 30)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for all contenders")

@@ -17,6 +17,9 @@ What every benchmark here needs, written once:
 
 from __future__ import annotations
 
+import shlex
+import sys
+
 import csv
 import datetime
 import os
@@ -257,3 +260,21 @@ def update_results_section(path: Path, key: str, markdown: str) -> None:
 def summary_columns(prefix: str, s: Summary, scale: float = 1.0, digits: int = 3) -> dict[str, float]:
     """``{prefix}_median``, ``{prefix}_q10``, ... columns, scaled (e.g. 1e3 for ms)."""
     return {f"{prefix}_{k}": round(v * scale, digits) for k, v in asdict(s).items() if k != "n"}
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 64 * 2**20; K, M, G are binary; plain integers as they are."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def command_line() -> str:
+    """The command that ran this script, with the interpreter relative to the working directory."""
+    exe = Path(sys.executable)
+    try:
+        exe = exe.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join([str(exe), *sys.argv])
+

@@ -44,6 +44,27 @@ void check_scalar(const std::optional<at::Tensor>& t, const at::Device& device, 
               device);
 }
 
+// The checks every fused op makes on the i-th parameter, its gradient and its step count.
+void check_param_grad_step(at::TensorList params, at::TensorList grads, at::TensorList steps, int64_t i,
+                           const at::Device& device) {
+  const at::Tensor& p = params[i];
+  const at::Tensor& g = grads[i];
+  TORCH_CHECK(p.device() == device, "fusedoff: all params of one call must be on one device; params[", i,
+              "] is on ", p.device(), ", params[0] on ", device);
+  TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
+  TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
+  storage_dtype(g, "grads");
+  TORCH_CHECK(!g.is_sparse(), "fusedoff: sparse gradients are not supported");
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
+              "] must be contiguous");
+  TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",
+              device);
+  TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), " elements but its parameter has ",
+              p.numel());
+  TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
+              "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
+}
+
 // Validates a whole call before anything is written, then builds the launch description.
 AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
@@ -73,26 +94,13 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
   check_scalar(found_inf, device, "found_inf");
   ptrs.resize(n);
   for (int64_t i = 0; i < n; ++i) {
+    check_param_grad_step(params, grads, steps, i, device);
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
-    TORCH_CHECK(p.device() == device, "fusedoff: all params of one call must be on one device; params[", i,
-                "] is on ", p.device(), ", params[0] on ", device);
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
-    TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
-    storage_dtype(g, "grads");
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
-                "] must be contiguous");
-    TORCH_CHECK(!g.is_sparse(), "fusedoff: sparse gradients are not supported");
-    TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",
-                device);
-    TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), " elements but its parameter has ",
-                p.numel());
     check_state(exp_avgs[i], p, "exp_avgs", i);
     check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i);
     if (amsgrad) check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i);
     if (launch.has_master) check_state(master_params[i], p, "master_params", i);
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
-                "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
     ptrs[i] = AdamTensorPtrs{p.data_ptr(),
                              g.data_ptr(),
                              exp_avgs[i].data_ptr<float>(),
@@ -191,26 +199,14 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
   check_scalar(found_inf, device, "found_inf");
   ptrs.resize(n);
   for (size_t i = 0; i < n; ++i) {
+    const int64_t idx = static_cast<int64_t>(i);
+    check_param_grad_step(params, grads, steps, idx, device);
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
-    const int64_t idx = static_cast<int64_t>(i);
-    TORCH_CHECK(p.device() == device, "fusedoff: all params of one call must be on one device; params[", i,
-                "] is on ", p.device(), ", params[0] on ", device);
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "fusedoff: all params of one call must share a dtype");
-    TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "fusedoff: all grads of one call must share a dtype");
-    TORCH_CHECK(!g.is_sparse(), "fusedoff: sparse gradients are not supported");
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "fusedoff: params[", i, "] and grads[", i,
-                "] must be contiguous");
-    TORCH_CHECK(g.device() == device, "fusedoff: grads[", i, "] is on ", g.device(), " but its parameter is on ",
-                device);
-    TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), " elements but its parameter has ",
-                p.numel());
     check_state(exp_avg_grads[i], p, "exp_avg_grads", idx);
     check_state(approx_hessians[i], p, "approx_hessians", idx);
     check_state(updates[i], p, "updates", idx);
     if (launch.has_master) check_state(master_params[i], p, "master_params", idx);
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat && steps[i].device() == device,
-                "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
     TORCH_CHECK(stats[i].numel() == kNumApolloStats && stats[i].scalar_type() == at::kDouble &&
                     stats[i].device() == device && stats[i].is_contiguous(),
                 "fusedoff: stats[", i, "] must be a contiguous float64 tensor of ", kNumApolloStats, " elements on ",

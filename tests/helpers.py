@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fusedoff import ops
-from fusedoff.kernels import reference
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
