@@ -21,6 +21,12 @@ from tests.helpers import backend_params, relative_l2_error
 SHAPES = [(), (1,), (7,), (33, 5), (300,), (0,), (16,)]
 
 
+def test_chunk_plan_knows_chunks_of_whole_tensors():
+    plan = ChunkPlan([t.numel() for t in make_params()], 48)
+    whole = [plan.whole_tensors_only(c) for c in plan.chunks]
+    assert whole[0] and whole[-1] and not any(whole[1:-1])  # both kinds, as the Apollo test relies on
+
+
 def test_chunk_plan_covers_every_element_once_aligned():
     numels = [0, 1, 7, 165, 300, 16, 4097]
     plan = ChunkPlan(numels, 64)
@@ -99,12 +105,15 @@ def test_adam_streamed_equals_resident(backend, device, cls, kwargs, dtype):
 @pytest.mark.parametrize("rebound,decay_type", list(itertools.product(["constant", "belief"],
                                                                       ["L2", "decoupled", "stable"])))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master"])
-def test_apollo_streamed_matches_resident(backend, device, rebound, decay_type, dtype):
+@pytest.mark.parametrize("chunk_size", [48, 1024], ids=["mixed-chunks", "resident-chunk"])
+def test_apollo_streamed_matches_resident(backend, device, rebound, decay_type, dtype, chunk_size):
     """Whole-tensor sums gathered across chunks: equal to the resident run up to the order of the
-    partial sums (fp32 reduction order)."""
+    partial sums (fp32 reduction order). With 48-element chunks the first and last hold only whole
+    tensors (every phase while resident) and the others pieces of tensors spanning chunks (a
+    pass per phase); with 1024 every tensor is whole in one chunk."""
     kwargs = dict(lr=1e-2, warmup=2, weight_decay=0.01, rebound=rebound, weight_decay_type=decay_type)
     ref_params, ref = run(lambda ps: fusedoff.Apollo(ps, backend=backend, offload="none", **kwargs), dtype, 5)
-    got_params, got = run(lambda ps: fusedoff.Apollo(ps, backend=backend, offload="stream", chunk_size=64,
+    got_params, got = run(lambda ps: fusedoff.Apollo(ps, backend=backend, offload="stream", chunk_size=chunk_size,
                                                      **kwargs), dtype, 5)
     eps = torch.finfo(torch.float32).eps
     for a, b in zip(got_params, ref_params):

@@ -53,8 +53,9 @@ class OffloadedBucket:
             )
 
     def run(self, *, read: Iterable[str], write: Iterable[str], compute: Callable[[Chunk, dict[str, Tensor]], None],
-            device_inputs: Iterable[Tensor] = ()) -> None:
-        self.pipeline.run(self.plan, self.store, read=read, write=write, compute=compute, device_inputs=device_inputs)
+            device_inputs: Iterable[Tensor] = (), chunks: Iterable[Chunk] | None = None) -> None:
+        self.pipeline.run(self.plan, self.store, read=read, write=write, compute=compute, device_inputs=device_inputs,
+                          chunks=chunks)
 
 
 class OffloadEngine:

@@ -43,17 +43,19 @@ class StreamPipeline:
             self.copy_out = torch.cuda.Stream(device)
 
     def run(self, plan: ChunkPlan, store: HostStateStore, *, read: Iterable[str], write: Iterable[str],
-            compute: Callable[[Chunk, dict[str, Tensor]], None], device_inputs: Iterable[Tensor] = ()) -> None:
-        """One pass over every chunk. `device_inputs` are tensors the compute reads or writes on the
+            compute: Callable[[Chunk, dict[str, Tensor]], None], device_inputs: Iterable[Tensor] = (),
+            chunks: Iterable[Chunk] | None = None) -> None:
+        """One pass over every chunk (or over `chunks`). `device_inputs` are tensors the compute reads or writes on the
         device (grads, params, stats): the compute waits for the current stream's work on them, and
         they are kept alive until it is done with them."""
         # Every written state is also read: a chunk buffer goes back to host memory whole, and the
         # pieces of tensors that sit out this step must go back as they came.
         read, write = tuple(dict.fromkeys(tuple(read) + tuple(write))), tuple(write)
         names = read
+        chunks = plan.chunks if chunks is None else list(chunks)
         self._ensure_slots(len(names))
         if not self.cuda:
-            for k, chunk in enumerate(plan.chunks):
+            for k, chunk in enumerate(chunks):
                 buffers = self._views(k, chunk, names)
                 for name in read:
                     buffers[name].copy_(store.chunk(name, chunk))
@@ -68,7 +70,7 @@ class StreamPipeline:
             t.record_stream(self.compute)  # not reused by the allocator before the compute is done
         if id(store) in self._last_copy_out:  # host state written by this store's previous pass
             self.copy_in.wait_event(self._last_copy_out[id(store)])
-        for k, chunk in enumerate(plan.chunks):
+        for k, chunk in enumerate(chunks):
             slot = k % len(self.buffers)
             buffers = self._views(k, chunk, names)
             with torch.cuda.stream(self.copy_in):

@@ -90,12 +90,14 @@ class Apollo(FusedOptimizer):
         )
 
     def _streamed_step(self, group: dict, bucket: ParamBucket, offloaded, grads) -> None:
-        """Each phase is one pass of the pipeline over the chunks; the whole-tensor sums gather in
-        `stats` on the device across the chunks a tensor spans."""
+        """Chunks that hold only whole tensors run every phase while resident: one copy in, one out.
+        Tensors that span chunks need their sums over all their chunks first, so their chunks make
+        one pass of the pipeline per phase; the sums gather in `stats` on the device."""
         hyper = self._hyper(group, bucket)
         device = offloaded.params[0].device
         stats = torch.zeros(len(offloaded.params), ops.APOLLO_NUM_STATS, dtype=torch.float64, device=device)
         steps = {t: self.state[offloaded.params[t]]["step"] for t in grads}
+        phases = ops.apollo_phases(group["weight_decay"], group["weight_decay_type"])
         moments = ("exp_avg_grad", "approx_hessian", "update")
         master = ("master_param",) if "master_param" in offloaded.names else ()
         l2 = group["weight_decay"] != 0 and group["weight_decay_type"] == "L2"
@@ -106,10 +108,9 @@ class Apollo(FusedOptimizer):
             "moments": (moments + (master if l2 else ()), moments[:2]),
             "finish": (moments[:2] + master, moments[2:] + master),
         }
-        for phase in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]):
-            read, write = passes[phase]
 
-            def compute(chunk, buffers, phase=phase):
+        def run_phases(chunk, buffers, chunk_phases):
+            for phase in chunk_phases:
                 for call in offloaded.calls(chunk, buffers, grads):
                     ops.apollo_step_(
                         call.params, call.grads, call.states["exp_avg_grad"], call.states["approx_hessian"],
@@ -119,7 +120,16 @@ class Apollo(FusedOptimizer):
                         phase=phase, backend=bucket.backend, **hyper,
                     )
 
-            offloaded.run(read=read, write=write, compute=compute, device_inputs=[stats, *grads.values()])
+        inputs = [stats, *grads.values()]
+        whole = [c for c in offloaded.plan.chunks if offloaded.plan.whole_tensors_only(c)]
+        spanning = [c for c in offloaded.plan.chunks if not offloaded.plan.whole_tensors_only(c)]
+        if whole:
+            offloaded.run(read=moments + master, write=moments + master, device_inputs=inputs, chunks=whole,
+                          compute=lambda chunk, buffers: run_phases(chunk, buffers, phases))
+        for phase in phases if spanning else ():
+            read, write = passes[phase]
+            offloaded.run(read=read, write=write, device_inputs=inputs, chunks=spanning,
+                          compute=lambda chunk, buffers, phase=phase: run_phases(chunk, buffers, (phase,)))
 
     @staticmethod
     def _hyper(group: dict, bucket: ParamBucket) -> dict:
