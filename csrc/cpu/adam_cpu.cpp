@@ -7,14 +7,11 @@
 
 #include "fusedoff/adam.h"
 #include "fusedoff/launchers.h"
+#include "blocks.h"
 #include "isa.h"
 
 namespace fusedoff {
 namespace {
-
-// NOTE: 32K elements is 128 KiB per fp32 stream: big enough that OpenMP scheduling is noise,
-// small enough that a 64M-element call splits into ~2K blocks and both cores stay busy to the end.
-constexpr int64_t kBlockElements = 32768;
 
 // NOTE: software prefetch, `kPrefetchDistance` elements ahead in every stream, issued once per
 // `kPrefetchChunk` elements. The loop's divisions and square root keep few iterations in flight,
@@ -25,12 +22,6 @@ constexpr int64_t kBlockElements = 32768;
 // Distances from 128 to 1024 elements measured the same within the noise.
 constexpr int64_t kPrefetchChunk = 64;
 constexpr int64_t kPrefetchDistance = 512;
-
-struct WorkBlock {
-  int32_t tensor;
-  int64_t begin;
-  int64_t end;
-};
 
 // Prefetches (for writing when kWrite) each cache line of data[begin, end).
 template <int kWrite, typename T>
@@ -126,23 +117,12 @@ void adam_step_cpu(const AdamLaunch& launch) {
   const float grad_scale = launch.grad_scale != nullptr ? *launch.grad_scale : 1.0f;
 
   std::vector<AdamScalars> scalars(launch.num_tensors);
-  std::vector<WorkBlock> blocks;
-  for (int64_t i = 0; i < launch.num_tensors; ++i) {
-    const AdamTensorPtrs& t = launch.tensors[i];
-    scalars[i] = adam_scalars(launch.hyper, *t.step);
-    for (int64_t begin = 0; begin < t.numel; begin += kBlockElements)
-      blocks.push_back({static_cast<int32_t>(i), begin, std::min(t.numel, begin + kBlockElements)});
-  }
+  for (int64_t i = 0; i < launch.num_tensors; ++i) scalars[i] = adam_scalars(launch.hyper, *launch.tensors[i].step);
   const RangeFn range_fn = select_range_fn(launch, /*scaled=*/grad_scale != 1.0f);
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(launch.num_threads, num_blocks)));
-  // NOTE: static, not dynamic: on a multi-socket host each thread then updates the same part of the
-  // state every step (NUMA first touch). Dynamic scheduling measured no better here, even under load.
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const WorkBlock& block = blocks[b];
-    range_fn(&launch.tensors[block.tensor], block.begin, block.end, grad_scale, &scalars[block.tensor]);
-  }
+  for_each_block(launch.num_threads, split_into_blocks(launch.tensors, launch.num_tensors),
+                 [&](int64_t, const WorkBlock& b) {
+                   range_fn(&launch.tensors[b.tensor], b.begin, b.end, grad_scale, &scalars[b.tensor]);
+                 });
 }
 
 }  // namespace fusedoff

@@ -11,18 +11,11 @@
 
 #include "fusedoff/apollo.h"
 #include "fusedoff/launchers.h"
+#include "blocks.h"
 #include "isa.h"
 
 namespace fusedoff {
 namespace {
-
-constexpr int64_t kBlockElements = 32768;
-
-struct WorkBlock {
-  int32_t tensor;
-  int64_t begin;
-  int64_t end;
-};
 
 struct RangeArgs {
   const ApolloTensorPtrs* t;
@@ -135,24 +128,6 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
 }
 };
 
-std::vector<WorkBlock> split_into_blocks(const ApolloLaunch& launch) {
-  std::vector<WorkBlock> blocks;
-  for (int64_t i = 0; i < launch.num_tensors; ++i)
-    for (int64_t begin = 0; begin < launch.tensors[i].numel; begin += kBlockElements)
-      blocks.push_back({static_cast<int32_t>(i), begin, std::min(launch.tensors[i].numel, begin + kBlockElements)});
-  return blocks;
-}
-
-template <typename Result, typename Fn>
-std::vector<Result> run_blocks(const ApolloLaunch& launch, const std::vector<WorkBlock>& blocks, Fn&& fn) {
-  std::vector<Result> results(blocks.size());
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(launch.num_threads, num_blocks)));
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t b = 0; b < num_blocks; ++b) results[b] = fn(blocks[b]);
-  return results;
-}
-
 template <typename P, typename G, bool kMaster>
 void apollo_phase(const ApolloLaunch& launch) {
   const float grad_scale = launch.grad_scale != nullptr ? *launch.grad_scale : 1.0f;
@@ -169,7 +144,7 @@ void apollo_phase(const ApolloLaunch& launch) {
       decay[i] = apollo_decay_coefficient(launch.hyper, t.stats, t.total_numel);
     }
   }
-  const std::vector<WorkBlock> blocks = split_into_blocks(launch);
+  const std::vector<WorkBlock> blocks = split_into_blocks(launch.tensors, launch.num_tensors);
   auto args = [&](const WorkBlock& b) {
     return RangeArgs{&launch.tensors[b.tensor], b.begin, b.end, grad_scale, &constants[b.tensor], decay[b.tensor]};
   };
@@ -179,7 +154,7 @@ void apollo_phase(const ApolloLaunch& launch) {
     case ApolloPhase::Reduce: {
       const auto fn = l2 ? select_isa_variant<ReduceRange<P, G, kMaster, true>, RangeArgs>()
                          : select_isa_variant<ReduceRange<P, G, kMaster, false>, RangeArgs>();
-      const auto partials = run_blocks<HostPartials>(launch, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
+      const auto partials = run_blocks<HostPartials>(launch.num_threads, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
       for (size_t b = 0; b < blocks.size(); ++b) {  // in block order: deterministic
         double* stats = launch.tensors[blocks[b].tensor].stats;
         stats[kSumD4] += partials[b].sum_d4;
@@ -193,19 +168,19 @@ void apollo_phase(const ApolloLaunch& launch) {
     case ApolloPhase::Full: {
       const auto fn = (l2 ? select_isa_variant<ApplyRange<P, G, kMaster, true, true>, RangeArgs>()
                          : select_isa_variant<ApplyRange<P, G, kMaster, true, false>, RangeArgs>());
-      run_blocks<double>(launch, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
+      run_blocks<double>(launch.num_threads, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
       break;
     }
     case ApolloPhase::Moments: {
       const auto fn = (l2 ? select_isa_variant<ApplyRange<P, G, kMaster, false, true>, RangeArgs>()
                          : select_isa_variant<ApplyRange<P, G, kMaster, false, false>, RangeArgs>());
-      const auto sums = run_blocks<double>(launch, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
+      const auto sums = run_blocks<double>(launch.num_threads, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
       for (size_t b = 0; b < blocks.size(); ++b) launch.tensors[blocks[b].tensor].stats[kSumD] += sums[b];
       break;
     }
     case ApolloPhase::Finish: {
       const auto fn = select_isa_variant<FinishRange<P, kMaster>, RangeArgs>();
-      run_blocks<double>(launch, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
+      run_blocks<double>(launch.num_threads, blocks, [&](const WorkBlock& b) { return fn(args(b)); });
       break;
     }
   }
