@@ -160,3 +160,26 @@ def relative_l2_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> floa
     num = sum(((g.double() - w.double().to(g.device)) ** 2).sum().item() for g, w in zip(got, want, strict=True))
     den = sum((w.double() ** 2).sum().item() for w in want)
     return (num / max(den, 1e-300)) ** 0.5
+
+
+# ---- bad-argument cases: mutations of a call described as a dict of its arguments ----------------
+
+def swap_arg(name, index, make):
+    """Replaces element `index` of list argument `name` with make(element)."""
+    def mutate(call):
+        call[name] = list(call[name])
+        call[name][index] = make(call[name][index])
+    return mutate
+
+
+def set_arg(name, value):
+    """Sets argument `name` to `value` (or value(call) when callable)."""
+    def mutate(call):
+        call[name] = value(call) if callable(value) else value
+    return mutate
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A strided (every other element) tensor with `t`'s shape, dtype and device."""
+    return torch.empty(t.numel() * 2, dtype=t.dtype, device=t.device)[::2].view(t.shape)
+

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fusedoff.kernels import reference, triton_adam
+from tests.helpers import non_contiguous, set_arg, swap_arg
 
 pytestmark = pytest.mark.triton
 
@@ -273,18 +274,6 @@ def test_empty_inputs(device):
 # ---- argument checks -----------------------------------------------------------------------------
 
 
-def _swap(name, index, make):
-    def mutate(call):
-        call[name] = list(call[name])
-        call[name][index] = make(call[name][index])
-    return mutate
-
-
-def _set(name, value):
-    def mutate(call):
-        call[name] = value(call) if callable(value) else value
-    return mutate
-
 
 def _set_kw(name, make):
     def mutate(call):
@@ -292,29 +281,26 @@ def _set_kw(name, make):
     return mutate
 
 
-def _non_contiguous(t):
-    return torch.empty(t.numel() * 2, dtype=t.dtype, device=t.device)[::2].view(t.shape)
-
 
 BAD_CALLS = {
-    "grads-too-short": (_set("grads", lambda c: c["grads"][:-1]), "same length"),
-    "steps-too-short": (_set("steps", lambda c: c["steps"][:1]), "same length"),
-    "max_exp_avg_sqs-without-amsgrad": (_set("amsgrad", False), "max_exp_avg_sqs"),
-    "master_params-too-short": (_set("master_params", lambda c: c["master_params"][:1]), "master_params"),
-    "float64-params": (_set("params", lambda c: [p.double() for p in c["params"]]), "params must be float32"),
-    "mixed-param-dtypes": (_swap("params", 2, lambda t: t.half()), "params of one call must share a dtype"),
-    "float64-grads": (_set("grads", lambda c: [g.double() for g in c["grads"]]), "grads must be float32"),
-    "mixed-grad-dtypes": (_swap("grads", 3, lambda t: t.half()), "grads of one call must share a dtype"),
-    "fp16-state": (_swap("exp_avg_sqs", 3, lambda t: t.half()), r"exp_avg_sqs\[3\] must be float32"),
-    "fp16-master": (_swap("master_params", 1, lambda t: t.half()), r"master_params\[1\] must be float32"),
-    "state-numel": (_swap("exp_avgs", 2, lambda t: t[:-1]), r"exp_avgs\[2\] has 4096 elements"),
-    "max-state-numel": (_swap("max_exp_avg_sqs", 1, lambda t: t[:-1]), r"max_exp_avg_sqs\[1\] has 6 elements"),
-    "grad-numel": (_swap("grads", 2, lambda t: t[1:]), r"grads\[2\] has 4096 elements"),
-    "non-contiguous-param": (_swap("params", 2, _non_contiguous), "must be contiguous"),
-    "non-contiguous-state": (_swap("exp_avgs", 2, _non_contiguous), r"exp_avgs\[2\] must be contiguous"),
-    "sparse-grad": (_swap("grads", 1, lambda t: t.to_sparse()), "sparse"),
-    "float64-step": (_swap("steps", 1, lambda t: t.double()), r"steps\[1\] must be a one-element float32"),
-    "two-element-step": (_swap("steps", 1, lambda t: t.repeat(2)), r"steps\[1\] must be a one-element float32"),
+    "grads-too-short": (set_arg("grads", lambda c: c["grads"][:-1]), "same length"),
+    "steps-too-short": (set_arg("steps", lambda c: c["steps"][:1]), "same length"),
+    "max_exp_avg_sqs-without-amsgrad": (set_arg("amsgrad", False), "max_exp_avg_sqs"),
+    "master_params-too-short": (set_arg("master_params", lambda c: c["master_params"][:1]), "master_params"),
+    "float64-params": (set_arg("params", lambda c: [p.double() for p in c["params"]]), "params must be float32"),
+    "mixed-param-dtypes": (swap_arg("params", 2, lambda t: t.half()), "params of one call must share a dtype"),
+    "float64-grads": (set_arg("grads", lambda c: [g.double() for g in c["grads"]]), "grads must be float32"),
+    "mixed-grad-dtypes": (swap_arg("grads", 3, lambda t: t.half()), "grads of one call must share a dtype"),
+    "fp16-state": (swap_arg("exp_avg_sqs", 3, lambda t: t.half()), r"exp_avg_sqs\[3\] must be float32"),
+    "fp16-master": (swap_arg("master_params", 1, lambda t: t.half()), r"master_params\[1\] must be float32"),
+    "state-numel": (swap_arg("exp_avgs", 2, lambda t: t[:-1]), r"exp_avgs\[2\] has 4096 elements"),
+    "max-state-numel": (swap_arg("max_exp_avg_sqs", 1, lambda t: t[:-1]), r"max_exp_avg_sqs\[1\] has 6 elements"),
+    "grad-numel": (swap_arg("grads", 2, lambda t: t[1:]), r"grads\[2\] has 4096 elements"),
+    "non-contiguous-param": (swap_arg("params", 2, non_contiguous), "must be contiguous"),
+    "non-contiguous-state": (swap_arg("exp_avgs", 2, non_contiguous), r"exp_avgs\[2\] must be contiguous"),
+    "sparse-grad": (swap_arg("grads", 1, lambda t: t.to_sparse()), "sparse"),
+    "float64-step": (swap_arg("steps", 1, lambda t: t.double()), r"steps\[1\] must be a one-element float32"),
+    "two-element-step": (swap_arg("steps", 1, lambda t: t.repeat(2)), r"steps\[1\] must be a one-element float32"),
     "two-element-grad_scale": (_set_kw("grad_scale", lambda d: torch.ones(2, device=d)), "grad_scale must be"),
     "float64-found_inf": (_set_kw("found_inf", lambda d: torch.zeros((), dtype=torch.float64, device=d)),
                           "found_inf must be"),

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fusedoff.kernels import reference, triton_apollo, triton_common
+from tests.helpers import non_contiguous, set_arg, swap_arg
 
 pytestmark = pytest.mark.triton
 
@@ -439,41 +440,26 @@ def test_empty_inputs(device):
 # ---- argument checks -----------------------------------------------------------------------------
 
 
-def _swap(name, index, make):
-    def mutate(call):
-        call[name] = list(call[name])
-        call[name][index] = make(call[name][index])
-    return mutate
-
-
-def _set(name, value):
-    def mutate(call):
-        call[name] = value(call) if callable(value) else value
-    return mutate
-
-
-def _non_contiguous(t):
-    return torch.empty(t.numel() * 2, dtype=t.dtype, device=t.device)[::2].view(t.shape)
 
 
 BAD_CALLS = {
-    "bad-phase": (_set("phase", "apply"), "phase must be"),
-    "bad-rebound": (_set("rebound", "max"), "rebound must be"),
-    "bad-decay-type": (_set("weight_decay_type", "l2"), "weight_decay_type must be"),
-    "grads-too-short": (_set("grads", lambda c: c["grads"][:-1]), "same length"),
-    "stats-too-short": (_set("stats", lambda c: c["stats"][:-1]), "same length"),
-    "total_numels-too-short": (_set("total_numels", lambda c: c["total_numels"][:-1]), "same length"),
-    "master_params-too-short": (_set("master_params", lambda c: c["master_params"][:1]), "master_params"),
-    "float64-params": (_set("params", lambda c: [p.double() for p in c["params"]]), "params must be float32"),
-    "mixed-grad-dtypes": (_swap("grads", 3, lambda t: t.half()), "grads of one call must share a dtype"),
-    "fp16-state": (_swap("approx_hessians", 3, lambda t: t.half()), r"approx_hessians\[3\] must be float32"),
-    "state-numel": (_swap("updates", 2, lambda t: t[:-1]), r"updates\[2\] has 4096 elements"),
-    "non-contiguous-param": (_swap("params", 2, _non_contiguous), "must be contiguous"),
-    "float32-stats": (_swap("stats", 1, lambda t: t.float()), r"stats\[1\] must be a contiguous float64"),
-    "short-stats": (_swap("stats", 1, lambda t: t[:4]), r"stats\[1\] must be a contiguous float64"),
-    "total_numel-below-range": (_swap("total_numels", 2, lambda n: 4096), r"total_numels\[2\] = 4096"),
-    "float64-step": (_swap("steps", 1, lambda t: t.double()), r"steps\[1\] must be a one-element float32"),
-    "two-element-grad_scale": (_set("grad_scale", lambda c: torch.ones(2, device=c["params"][0].device)),
+    "bad-phase": (set_arg("phase", "apply"), "phase must be"),
+    "bad-rebound": (set_arg("rebound", "max"), "rebound must be"),
+    "bad-decay-type": (set_arg("weight_decay_type", "l2"), "weight_decay_type must be"),
+    "grads-too-short": (set_arg("grads", lambda c: c["grads"][:-1]), "same length"),
+    "stats-too-short": (set_arg("stats", lambda c: c["stats"][:-1]), "same length"),
+    "total_numels-too-short": (set_arg("total_numels", lambda c: c["total_numels"][:-1]), "same length"),
+    "master_params-too-short": (set_arg("master_params", lambda c: c["master_params"][:1]), "master_params"),
+    "float64-params": (set_arg("params", lambda c: [p.double() for p in c["params"]]), "params must be float32"),
+    "mixed-grad-dtypes": (swap_arg("grads", 3, lambda t: t.half()), "grads of one call must share a dtype"),
+    "fp16-state": (swap_arg("approx_hessians", 3, lambda t: t.half()), r"approx_hessians\[3\] must be float32"),
+    "state-numel": (swap_arg("updates", 2, lambda t: t[:-1]), r"updates\[2\] has 4096 elements"),
+    "non-contiguous-param": (swap_arg("params", 2, non_contiguous), "must be contiguous"),
+    "float32-stats": (swap_arg("stats", 1, lambda t: t.float()), r"stats\[1\] must be a contiguous float64"),
+    "short-stats": (swap_arg("stats", 1, lambda t: t[:4]), r"stats\[1\] must be a contiguous float64"),
+    "total_numel-below-range": (swap_arg("total_numels", 2, lambda n: 4096), r"total_numels\[2\] = 4096"),
+    "float64-step": (swap_arg("steps", 1, lambda t: t.double()), r"steps\[1\] must be a one-element float32"),
+    "two-element-grad_scale": (set_arg("grad_scale", lambda c: torch.ones(2, device=c["params"][0].device)),
                                "grad_scale must be"),
 }
 
