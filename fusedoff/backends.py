@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -42,6 +43,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             )
     if requested == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package")
+    if requested == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Compiled Triton kernels cannot read host memory; only its interpreter runs on CPU tensors.
+        raise ValueError("backend='triton' runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)")
     return requested
 
 

@@ -164,6 +164,49 @@ def test_bad_input_is_rejected_before_anything_changes():
     assert opt.state_dict()["state"][0]["step"].item() == 1.0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_non_contiguous_parameter_is_rejected_before_anything_changes(backend):
+    # The fused kernels walk memory in order: a transposed parameter must be refused before its
+    # step count (or any other state) moves.
+    good = torch.nn.Parameter(torch.randn(5))
+    odd = torch.nn.Parameter(torch.randn(4, 3).t())
+    opt = fusedoff.AdamW([good, odd], lr=1e-2, backend=backend, offload="none")
+    good.grad = torch.randn(5)
+    opt.step()  # only `good` has a gradient: fine
+    snapshot = copy.deepcopy(opt.state_dict()), good.detach().clone(), odd.detach().clone()
+    good.grad, odd.grad = torch.randn(5), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert torch.equal(good, snapshot[1]) and torch.equal(odd, snapshot[2])
+    after = opt.state_dict()["state"]
+    assert after.keys() == snapshot[0]["state"].keys()
+    for key, value in snapshot[0]["state"][0].items():
+        assert torch.equal(after[0][key], value), key
+
+
+def test_streaming_refuses_a_non_contiguous_parameter_when_it_is_added():
+    # A streamed bucket holds every parameter of its group, so the check cannot wait for a gradient.
+    with pytest.raises(ValueError, match="offload='stream' needs contiguous"):
+        fusedoff.AdamW([torch.nn.Parameter(torch.randn(4, 3).t())], offload="stream")
+    opt = fusedoff.AdamW([torch.nn.Parameter(torch.randn(3))], offload="stream")
+    with pytest.raises(ValueError, match="offload='stream' needs contiguous"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 3).t())]})
+    assert len(opt.param_groups) == 1
+
+
+def test_non_contiguous_parameter_with_the_torch_backend_matches_torch_optim():
+    odd = torch.nn.Parameter(torch.randn(4, 3).t())
+    ref = torch.nn.Parameter(odd.detach().clone())
+    opt = fusedoff.AdamW([odd], lr=1e-2, backend="torch", offload="none")
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
+    for _ in range(3):
+        g = torch.randn(3, 4)
+        odd.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(odd, ref, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -280,3 +323,15 @@ def test_failed_add_param_group_leaves_no_group():
     with pytest.raises(ValueError, match="supports float32"):
         opt.add_param_group({"params": [torch.zeros(3, dtype=torch.float64)]})
     assert len(opt.param_groups) == 1
+
+
+def test_triton_on_cpu_parameters_needs_the_interpreter(monkeypatch):
+    # Compiled Triton kernels cannot read host memory: refuse before the step count moves.
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = fusedoff.AdamW([p], backend="triton", offload="none")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        opt.step()
+    assert opt.state[p] == {}

@@ -157,14 +157,18 @@ class FusedOptimizer(Optimizer):
         self._check_group({"params": params})  # before torch appends the group: a bad one leaves no trace
         super().add_param_group({**param_group, "params": params})
 
-    @staticmethod
-    def _check_group(group: dict) -> None:
+    def _check_group(self, group: dict) -> None:
         devices = {p.device for p in group["params"]}
         if len(devices) > 1:
             raise ValueError(f"the parameters of one param group must be on one device, got {sorted(map(str, devices))}")
         for p in group["params"]:
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"fusedoff supports float32, float16 and bfloat16 parameters, got {p.dtype}")
+            if self._streams(p.device) and not p.is_contiguous():
+                # The host store lays each tensor out flat, in memory order, and a bucket holds every
+                # parameter of its group: refuse now rather than at the first step.
+                raise ValueError(f"offload='stream' needs contiguous parameters, got one of shape {tuple(p.shape)} "
+                                 f"with strides {p.stride()}; make it contiguous or use offload='none'")
 
     @staticmethod
     def _uses_master(group: dict, param: Tensor) -> bool:
@@ -230,6 +234,14 @@ class FusedOptimizer(Optimizer):
                 else:
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
+    def _check_param(self, param: Tensor, backend: str) -> None:
+        """Everything the fused ops and the engine would reject, checked before any state changes."""
+        if not param.is_contiguous() and backend != "torch":
+            # The native and Triton kernels walk a tensor's elements in memory order.
+            raise ValueError(f"backend={backend!r} needs contiguous parameters, got one of shape {tuple(param.shape)} "
+                             f"with strides {param.stride()}; make it contiguous or use backend='torch'")
+        self._check_grad(param)
+
     @staticmethod
     def _check_grad(param: Tensor) -> None:
         grad = param.grad
@@ -255,13 +267,14 @@ class FusedOptimizer(Optimizer):
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                self._check_grad(p)
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in params:
                 buckets[(p.device, p.dtype, p.grad.dtype, self._uses_master(group, p))].append(p)
             for (device, _, _, master), bucket in buckets.items():
-                work.append((group, device, master, bucket, resolve_backend(group["backend"], device)))
+                backend = resolve_backend(group["backend"], device)
+                for p in bucket:
+                    self._check_param(p, backend)
+                work.append((group, device, master, bucket, backend))
 
         for group, device, master, params, backend in work:
             if self._streams(device):
