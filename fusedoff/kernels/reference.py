@@ -224,7 +224,8 @@ class ApolloReference(torch.optim.Optimizer):
                 delta = delta_grad.div_(denom).mul_(d).sum().mul(-alpha) - hessian.mul(v_sq).sum()
                 hessian.addcmul_(v_sq, delta)
                 if group["rebound"] == "belief":
-                    denom = torch.max(hessian.abs(), rebound).add_(group["eps"] / alpha)
+                    # out of place: DTensor (FSDP2) cannot add in place to the Partial(max) result
+                    denom = torch.max(hessian.abs(), rebound).add(group["eps"] / alpha)
                 else:
                     denom = hessian.abs().clamp_(min=rebound)
                 d.copy_(m.div(denom))

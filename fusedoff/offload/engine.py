@@ -18,6 +18,7 @@ from torch import Tensor
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, Piece
 from fusedoff.offload.store import HostStateStore
+from fusedoff.sharding import local_tensor
 
 # NOTE: 4M elements: with AdamW + master weights (3 fp32 states) one buffer set is 48 MiB and the
 # default two sets 96 MiB, whatever the model size; large enough that each copy runs at full PCIe
@@ -35,7 +36,8 @@ class OffloadedBucket:
     index: dict[int, int] = field(default_factory=dict)  # id(param) -> position in `params`
 
     def flat_param(self, t: int) -> Tensor:
-        return self.params[t].detach().view(-1)
+        # A sharded (DTensor) parameter's states are its local shard's: the plan counts local elements.
+        return local_tensor(self.params[t].detach()).view(-1)
 
     def calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor]) -> Iterator["ChunkCall"]:
         """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor has a
@@ -79,13 +81,13 @@ class OffloadEngine:
         if bucket is not None:
             return bucket
         for p in params:
-            if not p.is_contiguous():
+            if not local_tensor(p).is_contiguous():
                 raise ValueError("offload='stream' needs contiguous parameters")
         device = params[0].device
         pipeline = self.pipelines.get(device)
         if pipeline is None:
             pipeline = self.pipelines[device] = StreamPipeline(device, self.chunk_size, self.num_buffers)
-        plan = ChunkPlan([p.numel() for p in params], self.chunk_size)
+        plan = ChunkPlan([local_tensor(p).numel() for p in params], self.chunk_size)
         store = HostStateStore(plan, names, pin=device.type == "cuda")
         bucket = OffloadedBucket(params, names, plan, store, pipeline, {id(p): i for i, p in enumerate(params)})
         for name in names:

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from fusedoff import ops
 from fusedoff.optim.base import FusedOptimizer, ParamBucket
+from fusedoff.sharding import all_reduce_over_shards_, shard_groups
+
+# How the shards of a sharded (FSDP2) tensor combine their partial sums, after the phase that fills
+# them: columns of `stats` (ApolloStat in csrc/include/fusedoff/apollo.h). The sums add up; the
+# belief bound max |g - m| is a max.
+_SHARD_REDUCTIONS = {
+    "reduce": ((slice(0, 3), dist.ReduceOp.SUM), (slice(3, 4), dist.ReduceOp.MAX)),
+    "moments": ((slice(4, 5), dist.ReduceOp.SUM),),
+}
 
 
 class Apollo(FusedOptimizer):
@@ -77,22 +87,30 @@ class Apollo(FusedOptimizer):
         return ("exp_avg_grad", "approx_hessian", "update")
 
     def _fused_step(self, group: dict, bucket: ParamBucket) -> None:
-        ops.apollo_whole_step_(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("exp_avg_grad"),
-            bucket.state_list("approx_hessian"),
-            bucket.state_list("update"),
-            bucket.master_params,
-            bucket.steps,
-            backend=bucket.backend,
-            **self._hyper(group, bucket),
-        )
+        hyper = self._hyper(group, bucket)
+        stats = torch.zeros(len(bucket.params), ops.APOLLO_NUM_STATS, dtype=torch.float64,
+                            device=bucket.params[0].device)
+        numels = [p.numel() for p in bucket.originals]  # whole tensors: every shard of a sharded one
+        for phase in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]):
+            ops.apollo_step_(bucket.params, bucket.grads, bucket.state_list("exp_avg_grad"),
+                             bucket.state_list("approx_hessian"), bucket.state_list("update"),
+                             bucket.master_params, bucket.steps, stats.unbind(0), numels,
+                             phase=phase, backend=bucket.backend, **hyper)
+            self._combine_shards(stats, bucket.originals, phase)
+
+    @staticmethod
+    def _combine_shards(stats: torch.Tensor, params, phase: str) -> None:
+        """Completes the partial sums of sharded tensors over the ranks holding their other shards
+        (nothing for unsharded ones), so that the next phase sees whole-tensor sums."""
+        for columns, op in _SHARD_REDUCTIONS.get(phase, ()):
+            all_reduce_over_shards_(stats[:, columns], params, op)
 
     def _streamed_step(self, group: dict, bucket: ParamBucket, offloaded, grads) -> None:
         """Chunks that hold only whole tensors run every phase while resident: one copy in, one out.
-        Tensors that span chunks need their sums over all their chunks first, so their chunks make
-        one pass of the pipeline per phase; the sums gather in `stats` on the device."""
+        Tensors that span chunks, and sharded tensors, need their sums over all their chunks (and
+        all ranks) first, so their chunks make one pass of the pipeline per phase; the sums gather in
+        `stats` on the device. Collectives never depend on this rank's chunks: every rank calls the
+        same ones, even one whose shards are empty."""
         hyper = self._hyper(group, bucket)
         device = offloaded.params[0].device
         stats = torch.zeros(len(offloaded.params), ops.APOLLO_NUM_STATS, dtype=torch.float64, device=device)
@@ -121,15 +139,20 @@ class Apollo(FusedOptimizer):
                     )
 
         inputs = [stats, *grads.values()]
-        whole = [c for c in offloaded.plan.chunks if offloaded.plan.whole_tensors_only(c)]
-        spanning = [c for c in offloaded.plan.chunks if not offloaded.plan.whole_tensors_only(c)]
-        if whole:
-            offloaded.run(read=moments + master, write=moments + master, device_inputs=inputs, chunks=whole,
+        sharded = [bool(shard_groups(p)) for p in offloaded.params]
+        resident, spanning = [], []
+        for c in offloaded.plan.chunks:
+            whole = offloaded.plan.whole_tensors_only(c) and not any(sharded[p.tensor] for p in c.pieces)
+            (resident if whole else spanning).append(c)
+        if resident:
+            offloaded.run(read=moments + master, write=moments + master, device_inputs=inputs, chunks=resident,
                           compute=lambda chunk, buffers: run_phases(chunk, buffers, phases))
-        for phase in phases if spanning else ():
+        for phase in phases if spanning or any(sharded) else ():
             read, write = passes[phase]
-            offloaded.run(read=read, write=write, device_inputs=inputs, chunks=spanning,
-                          compute=lambda chunk, buffers, phase=phase: run_phases(chunk, buffers, (phase,)))
+            if spanning:
+                offloaded.run(read=read, write=write, device_inputs=inputs, chunks=spanning,
+                              compute=lambda chunk, buffers, phase=phase: run_phases(chunk, buffers, (phase,)))
+            self._combine_shards(stats, offloaded.params, phase)
 
     @staticmethod
     def _hyper(group: dict, bucket: ParamBucket) -> dict:

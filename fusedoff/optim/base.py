@@ -12,12 +12,14 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
 from fusedoff.offload import OffloadedBucket, OffloadEngine
+from fusedoff.sharding import all_reduce_over_shards_, is_dtensor, like_param, local_tensor, state_for_param
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, *LOW_PRECISION)
@@ -78,20 +80,27 @@ class FusedOptimizer(Optimizer):
         ``scaler.unscale_(opt)`` first, as for ``torch.nn.utils.clip_grad_norm_``.
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
             return torch.zeros(())
-        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for g in grads:
-            by_device[g.device].append(g)
-        first = grads[0].device
-        norms = [
-            n.to(first, non_blocking=True)
-            for gs in by_device.values()
-            for n in torch._foreach_norm(gs, norm_type, dtype=torch.float32)
-        ]
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for t, p in enumerate(params):
+            by_device[p.grad.device].append(t)
+        first = params[0].grad.device
+        norms: list[Tensor | None] = [None] * len(params)
+        for rows in by_device.values():
+            local_norms = torch._foreach_norm([local_tensor(params[t].grad) for t in rows], norm_type, dtype=torch.float32)
+            for t, n in zip(rows, local_norms):
+                norms[t] = n.to(first, non_blocking=True)
         stacked = torch.stack(norms)
-        if norm_type == float("inf"):
+        inf = norm_type == float("inf")
+        if any(is_dtensor(p) for p in params):
+            # A sharded gradient's norm combines the shards' norms: max, or the p-th root of the
+            # sum of p-th powers, over the ranks holding its shards.
+            partial = stacked if inf else stacked.pow(norm_type)
+            all_reduce_over_shards_(partial, params, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            total = partial.max() if inf else partial.sum().pow(1.0 / norm_type)
+        elif inf:
             total = stacked.max()
         else:
             total = torch.linalg.vector_norm(stacked, norm_type)
@@ -124,7 +133,8 @@ class FusedOptimizer(Optimizer):
         members = [p for p in group["params"]
                    if p.device == param.device and p.dtype == param.dtype and self._uses_master(group, p) == master]
         names = self._state_names(group) + (("master_param",) if master else ())
-        return self._engine.bucket(key, members, names, lambda name, p: p if name == "master_param" else None)
+        return self._engine.bucket(key, members, names,
+                                   lambda name, p: local_tensor(p) if name == "master_param" else None)
 
     def memory_stats(self) -> dict:
         """Where the optimizer's bytes are: host state (and whether it is pinned) and device memory.
@@ -134,7 +144,7 @@ class FusedOptimizer(Optimizer):
         """
         stats = self._engine.memory_stats()
         resident = sum(
-            t.numel() * t.element_size()
+            local_tensor(t).numel() * t.element_size()
             for state in self.state.values()
             for key, t in state.items()
             if isinstance(t, Tensor) and key != "step" and t.device.type == "cuda"
@@ -164,7 +174,7 @@ class FusedOptimizer(Optimizer):
         for p in group["params"]:
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"fusedoff supports float32, float16 and bfloat16 parameters, got {p.dtype}")
-            if self._streams(p.device) and not p.is_contiguous():
+            if self._streams(p.device) and not local_tensor(p).is_contiguous():
                 # The host store lays each tensor out flat, in memory order, and a bucket holds every
                 # parameter of its group: refuse now rather than at the first step.
                 raise ValueError(f"offload='stream' needs contiguous parameters, got one of shape {tuple(p.shape)} "
@@ -212,6 +222,8 @@ class FusedOptimizer(Optimizer):
                 if key != "step" and torch.as_tensor(value).numel() != param.numel():
                     raise ValueError(f"state {key!r} of parameter {pid} has {torch.as_tensor(value).numel()} elements "
                                      f"but the parameter has {param.numel()}")
+                if key != "step":
+                    state_for_param(value, param, key)  # raises if sharded unlike the parameter
         self._states_set_aside = (saved_ids, tensors)
         others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
         return {**state_dict, "state": others}
@@ -230,13 +242,14 @@ class FusedOptimizer(Optimizer):
                 value = torch.as_tensor(value)  # the reference Apollo keeps `step` as an int
                 if streamed is not None and key in streamed.names:
                     # Host states stay in host memory: a large run resumes without touching the GPU.
-                    streamed.store.write(key, streamed.index[id(param)], value.to(torch.float32))
+                    local = state_for_param(value, param, key)
+                    streamed.store.write(key, streamed.index[id(param)], local.to(torch.float32))
                 else:
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
     def _check_param(self, param: Tensor, backend: str) -> None:
         """Everything the fused ops and the engine would reject, checked before any state changes."""
-        if not param.is_contiguous() and backend != "torch":
+        if not local_tensor(param).is_contiguous() and backend != "torch":
             # The native and Triton kernels walk a tensor's elements in memory order.
             raise ValueError(f"backend={backend!r} needs contiguous parameters, got one of shape {tuple(param.shape)} "
                              f"with strides {param.stride()}; make it contiguous or use backend='torch'")
@@ -253,6 +266,9 @@ class FusedOptimizer(Optimizer):
             raise RuntimeError(f"gradient on {grad.device} but parameter on {param.device}")
         if grad.dtype not in SUPPORTED_DTYPES:
             raise RuntimeError(f"fusedoff supports float32, float16 and bfloat16 gradients, got {grad.dtype}")
+        if is_dtensor(grad) != is_dtensor(param) or (is_dtensor(param) and grad.placements != param.placements):
+            raise RuntimeError(f"gradient sharded as {getattr(grad, 'placements', 'a plain tensor')} "
+                               f"but parameter as {getattr(param, 'placements', 'a plain tensor')}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -282,10 +298,11 @@ class FusedOptimizer(Optimizer):
                 continue
             states = [self._init_state(group, p) for p in params]
             bucket = ParamBucket(
-                params=[p.detach() for p in params],
-                grads=[p.grad.contiguous() for p in params],
+                originals=params,
+                params=[local_tensor(p.detach()) for p in params],
+                grads=[local_tensor(p.grad).contiguous() for p in params],
                 states=states,
-                master_params=[s["master_param"] for s in states] if master else [],
+                master_params=[local_tensor(s["master_param"]) for s in states] if master else [],
                 steps=[s["step"] for s in states],
                 grad_scale=self._grad_divisor(grad_scale, device),
                 found_inf=found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None,
@@ -301,14 +318,15 @@ class FusedOptimizer(Optimizer):
         by_bucket: dict[int, tuple[OffloadedBucket, dict[int, Tensor]]] = {}
         for p in params:
             offloaded = self._offloaded_bucket(group, p)
-            by_bucket.setdefault(id(offloaded), (offloaded, {}))[1][offloaded.index[id(p)]] = p.grad.contiguous()
+            by_bucket.setdefault(id(offloaded), (offloaded, {}))[1][offloaded.index[id(p)]] = local_tensor(p.grad).contiguous()
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for offloaded, grads in by_bucket.values():
             stepping = [offloaded.params[t] for t in grads]
             bucket = ParamBucket(
-                params=[p.detach() for p in stepping],
+                originals=stepping,
+                params=[local_tensor(p.detach()) for p in stepping],
                 grads=list(grads.values()),
                 states=[self.state[p] for p in stepping],
                 master_params=[],
@@ -333,15 +351,20 @@ class FusedOptimizer(Optimizer):
             for t, p in enumerate(offloaded.params):
                 pid = ids[id(p)]
                 if pid in packed:  # parameters that never stepped have no state, as in torch
-                    states = {name: offloaded.store.read(name, t).view(p.shape) for name in offloaded.names}
+                    states = {name: like_param(offloaded.store.read(name, t), p) for name in offloaded.names}
                     packed[pid] = {**packed[pid], **states}
         return {**state_dict, "state": packed}
 
 
 class ParamBucket:
-    """Parameters of one group that share a device and dtypes, with their states: one fused call."""
+    """Parameters of one group that share a device and dtypes, with their states: one fused call.
 
-    def __init__(self, *, params, grads, states, master_params, steps, grad_scale, found_inf, backend):
+    `params`, `grads` and `master_params` are what the kernels update (a sharded parameter's local
+    shard); `originals` the parameters as the user holds them (whole-tensor sizes, shard groups).
+    """
+
+    def __init__(self, *, originals, params, grads, states, master_params, steps, grad_scale, found_inf, backend):
+        self.originals = originals
         self.params = params
         self.grads = grads
         self.states = states
@@ -352,4 +375,5 @@ class ParamBucket:
         self.backend = backend
 
     def state_list(self, name: str) -> list[Tensor]:
-        return [s[name] for s in self.states]
+        """State `name` of each parameter, as the kernels see it (a sharded state's local shard)."""
+        return [local_tensor(s[name]) for s in self.states]

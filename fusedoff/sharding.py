@@ -1,0 +1,91 @@
+"""Sharded parameters (FSDP2's DTensors): each rank updates and stores only its local shard.
+
+The fused ops and the offload engine see plain tensors: a DTensor parameter, its gradient and its
+states are reduced to their local shards here. Elementwise optimizers need nothing else; an
+optimizer whose step reads whole-tensor sums (Apollo) all-reduces its per-tensor partial sums over
+the process groups that split the tensor, see `all_reduce_over_shards_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+except ImportError:  # a torch built without distributed support: nothing is ever sharded
+    DTensor = None
+
+
+def is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The rank's own part of `t` (`t` itself for a plain tensor); writing to it writes to `t`."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def shard_groups(t: Tensor) -> tuple:
+    """The process groups whose ranks hold different parts of `t` (empty: every rank holds all of it)."""
+    if not is_dtensor(t):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def like_param(local: Tensor, param: Tensor) -> Tensor:
+    """`local` (a state of `param`'s local shard, anywhere, e.g. in host memory) as a tensor shaped
+    like `param`: a DTensor with `param`'s mesh and placements for a DTensor parameter.
+
+    Built directly from the spec, not with DTensor.from_local, which would move a host-resident
+    state to the mesh's device (a streamed optimizer's checkpoint must not touch the GPU).
+    """
+    if not is_dtensor(param):
+        return local.view(param.shape)
+    local = local.view(param.to_local().shape)
+    spec = DTensorSpec(param.device_mesh, param.placements,
+                       tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def state_for_param(value: Tensor, param: Tensor, key: str) -> Tensor:
+    """A loaded state reduced to the part `param` holds on this rank, checked against it."""
+    if is_dtensor(param):
+        if not is_dtensor(value):
+            raise ValueError(f"state {key!r} of a sharded (DTensor) parameter must be a DTensor; load sharded "
+                             "checkpoints with torch.distributed.checkpoint's set_optimizer_state_dict")
+        if value.placements != param.placements or value.device_mesh != param.device_mesh:
+            raise ValueError(f"state {key!r} is sharded as {value.placements} but its parameter as {param.placements}")
+        return value.to_local()
+    return local_tensor(value)
+
+
+def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: "dist.ReduceOp") -> None:
+    """Reduces row t of `values` (this rank's partial results for tensor `params[t]`, a 2-D tensor
+    or a column slice of one) over the ranks that hold the other shards of `params[t]`, in place.
+    Rows of unsharded tensors are left alone.
+
+    Rows are reduced in runs of neighbours sharing process groups (one collective per run: one in
+    an FSDP bucket), through slices: no index tensor is built, so nothing waits for the host.
+    Every rank must call this with the same parameters in the same order, as in an FSDP step.
+    """
+    runs: list[tuple[tuple, int, int]] = []  # (groups, first row, end row)
+    for t, param in enumerate(params):
+        groups = shard_groups(param)
+        if not groups:
+            continue
+        if runs and runs[-1][0] == groups and runs[-1][2] == t:
+            runs[-1] = (groups, runs[-1][1], t + 1)
+        else:
+            runs.append((groups, t, t + 1))
+    for groups, first, end in runs:
+        rows = values[first:end]
+        part = rows.contiguous()  # collectives need dense tensors; a column slice is copied
+        for group in groups:
+            dist.all_reduce(part, op=op, group=group)
+        if part.data_ptr() != rows.data_ptr():
+            rows.copy_(part)

@@ -1,0 +1,256 @@
+"""fusedoff under FSDP2 (fully_shard) and DDP: two CPU processes with the gloo backend.
+
+A small MLP with uneven shards (13 rows over 2 ranks) trains for a dozen steps, each rank on its
+half of every batch; the result must equal one process training on whole batches. A second model
+ends in one output, so rank 1 holds an empty shard of its last bias. The oracle for "equal" is the
+same comparison made with torch.optim.AdamW (for AdamW) and with the eager ApolloReference (for
+Apollo) in the same processes: gradients averaged across ranks differ from whole-batch gradients
+in the last bits, and fusedoff may be no further off than they are.
+
+All distributed scenarios run in one spawn of two processes (starting them costs seconds), whose
+results the tests below read.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fusedoff
+from fusedoff.kernels.reference import ApolloReference
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+WORLD = 2
+STEPS = 12
+CHECKPOINT_AT = 6
+# Every fusedoff optimizer runs streamed with chunks of 32 elements (tensors span chunks, chunks hold
+# several tensors) and resident; Apollo in all three update modes, with warmup ending mid-run.
+APOLLO = dict(lr=0.05, warmup=4, weight_decay=1e-2)
+OPTIMIZERS = {
+    "torch.AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "AdamW/none": lambda ps: fusedoff.AdamW(ps, lr=1e-2, weight_decay=0.1, offload="none", backend="cpu"),
+    "AdamW/stream": lambda ps: fusedoff.AdamW(ps, lr=1e-2, weight_decay=0.1, offload="stream", chunk_size=32,
+                                              backend="cpu"),
+}
+for _rebound, _decay in (("constant", "L2"), ("belief", "decoupled"), ("constant", "stable")):
+    # The constant rebound divides by at least 0.01 only: a smaller lr keeps the weights O(1) here.
+    _kw = dict(APOLLO, rebound=_rebound, weight_decay_type=_decay, lr=0.05 if _rebound == "belief" else 2e-3)
+    OPTIMIZERS[f"Reference/{_rebound}/{_decay}"] = lambda ps, kw=_kw: ApolloReference(ps, **kw)
+    OPTIMIZERS[f"Apollo/{_rebound}/{_decay}/none"] = lambda ps, kw=_kw: fusedoff.Apollo(ps, offload="none",
+                                                                                         backend="cpu", **kw)
+    OPTIMIZERS[f"Apollo/{_rebound}/{_decay}/stream"] = lambda ps, kw=_kw: fusedoff.Apollo(
+        ps, offload="stream", chunk_size=32, backend="cpu", **kw)
+# The eager reference cannot take an empty shard (an inf-norm of nothing): fusedoff alone there.
+EMPTY_SHARD = ("torch.AdamW", "AdamW/stream", "Apollo/belief/decoupled/stream", "Apollo/constant/stable/none")
+CHECKPOINTED = ("AdamW/stream", "AdamW/none", "Apollo/belief/decoupled/stream", "Apollo/constant/stable/none")
+
+
+def make_model(outputs: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 13), torch.nn.Tanh(),
+                               torch.nn.Linear(13, outputs))
+
+
+def batch(step: int, rank: int | None = None, outputs: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch `step` (8 samples), or rank `rank`'s half of it."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(8, 7, generator=gen), torch.randn(8, outputs, generator=gen)
+    if rank is None:
+        return x, y
+    return x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+
+
+def train(model, opt, steps: range, rank: int | None = None, clip: float | None = None, outputs: int = 2) -> list[float]:
+    norms = []
+    for step in steps:
+        x, y = batch(step, rank, outputs)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def full_params(model) -> list[torch.Tensor]:
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+
+# ---- the two processes ----------------------------------------------------------------------------
+def _fsdp_model(outputs: int = 2):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(outputs)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _checkpoint_round_trip(name: str, folder: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Trains to CHECKPOINT_AT, saves with torch.distributed.checkpoint, trains on; then a fresh
+    model and optimizer load the checkpoint and train the same steps. Returns both end states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank = dist.get_rank()
+    model = _fsdp_model()
+    opt = OPTIMIZERS[name](model.parameters())
+    train(model, opt, range(CHECKPOINT_AT), rank)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    train(model, opt, range(CHECKPOINT_AT, STEPS), rank)
+    continued = full_params(model)
+
+    resumed_model = _fsdp_model()
+    for p in resumed_model.parameters():  # start elsewhere, so loading the model state matters
+        p.detach().add_(1.0)
+    resumed_opt = OPTIMIZERS[name](resumed_model.parameters())
+    model_sd, optim_sd = get_state_dict(resumed_model, resumed_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=folder)
+    set_state_dict(resumed_model, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(resumed_model, resumed_opt, range(CHECKPOINT_AT, STEPS), rank)
+    return continued, full_params(resumed_model)
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = {"fsdp": {}, "host_bytes": {}, "clip": {}, "checkpoint": {}, "ddp": {}, "empty_shard": {}}
+        for name, make in OPTIMIZERS.items():
+            model = _fsdp_model()
+            opt = make(model.parameters())
+            train(model, opt, range(STEPS), rank)
+            results["fsdp"][name] = full_params(model)
+            if isinstance(opt, fusedoff.optim.base.FusedOptimizer):
+                results["host_bytes"][name] = opt.memory_stats()["host_bytes"]
+        for name in EMPTY_SHARD:
+            model = _fsdp_model(outputs=1)
+            train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), rank, outputs=1)
+            results["empty_shard"][name] = full_params(model)
+        for name in ("AdamW/stream", "Apollo/belief/decoupled/none"):
+            model = _fsdp_model()
+            opt = OPTIMIZERS[name](model.parameters())
+            norms = train(model, opt, range(STEPS), rank, clip=0.5)
+            results["clip"][name] = (norms, full_params(model))
+        for name in CHECKPOINTED:
+            sub = os.path.join(folder, name.replace("/", "_"))
+            results["checkpoint"][name] = _checkpoint_round_trip(name, sub)
+        for name in ("AdamW/none", "Apollo/belief/decoupled/stream"):
+            model = torch.nn.parallel.DistributedDataParallel(make_model())
+            opt = OPTIMIZERS[name](model.parameters())
+            train(model, opt, range(STEPS), rank)
+            results["ddp"][name] = full_params(model.module)
+        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(_free_port(), folder), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def single():
+    """Each optimizer in one process on whole batches: the run the sharded ones must equal."""
+    results, clip, empty = {}, {}, {}
+    for name, make in OPTIMIZERS.items():
+        model = make_model()
+        train(model, make(model.parameters()), range(STEPS))
+        results[name] = full_params(model)
+    for name in ("AdamW/stream", "Apollo/belief/decoupled/none"):
+        model = make_model()
+        norms = train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), clip=0.5)
+        clip[name] = (norms, full_params(model))
+    for name in EMPTY_SHARD:
+        model = make_model(outputs=1)
+        train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), outputs=1)
+        empty[name] = full_params(model)
+    return results, clip, empty
+
+
+def max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
+
+
+def oracle_for(name: str) -> str:
+    return "torch.AdamW" if name.startswith("AdamW") else "Reference/" + "/".join(name.split("/")[1:3])
+
+
+FUSED = [name for name in OPTIMIZERS if name.startswith(("AdamW", "Apollo"))]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fsdp2_matches_one_process(runs, single, name):
+    sharded, whole = runs[0]["fsdp"], single[0]
+    # The oracle: the same optimizer family's torch/eager implementation, sharded vs one process.
+    allowed = 2 * max_error(sharded[oracle_for(name)], whole[oracle_for(name)]) + 1e-6
+    assert max_error(sharded[name], whole[name]) <= allowed
+    # Both ranks hold the same gathered parameters.
+    assert max_error(runs[1]["fsdp"][name], sharded[name]) == 0
+
+
+@pytest.mark.parametrize("name", [n for n in FUSED if n.endswith("stream")])
+def test_each_rank_keeps_only_its_shard_of_the_states(runs, name):
+    # FSDP2 splits dim 0 like torch.chunk: rank 0 holds 7 of 13 rows and the one-element bias.
+    model = make_model()
+    per_rank = [0, 0]
+    for p in model.parameters():
+        rows = p.shape[0]
+        for rank, count in enumerate(torch.arange(rows).chunk(WORLD)):
+            per_rank[rank] += count.numel() * (p.numel() // rows)
+    for rank in range(WORLD):
+        states = 2 if name.startswith("AdamW") else 3
+        # At least the states of the local elements, and far less than the whole model's.
+        got = runs[rank]["host_bytes"][name]
+        assert states * 4 * per_rank[rank] <= got < states * 4 * sum(per_rank)
+
+
+@pytest.mark.parametrize("name", ["AdamW/stream", "Apollo/belief/decoupled/none"])
+def test_clip_grad_norm_covers_every_shard(runs, single, name):
+    norms, params = runs[0]["clip"][name]
+    want_norms, want_params = single[1][name]
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=0)
+    assert runs[1]["clip"][name][0] == norms  # every rank clips by the same factor
+    oracle = oracle_for(name)
+    allowed = 2 * max_error(runs[0]["fsdp"][oracle], single[0][oracle]) + 1e-6
+    assert max_error(params, want_params) <= allowed
+
+
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_distributed_checkpoint_round_trip_continues_identically(runs, name):
+    continued, resumed = runs[0]["checkpoint"][name]
+    assert max_error(resumed, continued) == 0
+
+
+@pytest.mark.parametrize("name", ["AdamW/none", "Apollo/belief/decoupled/stream"])
+def test_ddp_matches_one_process(runs, single, name):
+    allowed = 2 * max_error(runs[0]["fsdp"][oracle_for(name)], single[0][oracle_for(name)]) + 1e-6
+    assert max_error(runs[0]["ddp"][name], single[0][name]) <= allowed
+
+
+@pytest.mark.parametrize("name", [n for n in EMPTY_SHARD if n != "torch.AdamW"])
+def test_a_rank_with_an_empty_shard_takes_part(runs, single, name):
+    # Rank 1 holds none of the last bias: it still joins every collective (or the run would hang)
+    # and the model still equals one process's. The oracle here is torch's AdamW on this model.
+    allowed = 2 * max_error(runs[0]["empty_shard"]["torch.AdamW"], single[2]["torch.AdamW"]) + 1e-6
+    assert max_error(runs[0]["empty_shard"][name], single[2][name]) <= allowed
