@@ -15,7 +15,8 @@ class AdamW(FusedOptimizer):
 
     Args:
         params: parameters or param groups, as for any torch optimizer.
-        lr: learning rate (float, or a 0-d tensor).
+        lr: learning rate (float, or a one-element tensor; the kernels take it as a scalar, so a
+            CUDA tensor is read on the host at each step, which waits for the GPU: keep it on the CPU).
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator for numerical stability.
         weight_decay: decoupled weight decay (``p *= 1 - lr * weight_decay``).
