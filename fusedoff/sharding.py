@@ -61,7 +61,10 @@ def state_for_param(value: Tensor, param: Tensor, key: str) -> Tensor:
         if value.placements != param.placements or value.device_mesh != param.device_mesh:
             raise ValueError(f"state {key!r} is sharded as {value.placements} but its parameter as {param.placements}")
         return value.to_local()
-    return local_tensor(value)
+    if is_dtensor(value):
+        raise ValueError(f"state {key!r} is sharded ({value.placements}) but its parameter is not; gather it first "
+                         "(get_optimizer_state_dict with StateDictOptions(full_state_dict=True))")
+    return value
 
 
 def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: "dist.ReduceOp") -> None:

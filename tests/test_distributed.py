@@ -121,6 +121,28 @@ def _checkpoint_round_trip(name: str, folder: str) -> tuple[list[torch.Tensor], 
     return continued, full_params(resumed_model)
 
 
+def _plain_states_into_sharded_optimizer() -> tuple[str, bool]:
+    """Loads an unsharded checkpoint into a sharded optimizer: it must be refused, changing nothing."""
+    plain_model = make_model()
+    plain = OPTIMIZERS["AdamW/stream"](plain_model.parameters())
+    train(plain_model, plain, range(2))
+    model = _fsdp_model()
+    opt = OPTIMIZERS["AdamW/stream"](model.parameters())
+    train(model, opt, range(1), dist.get_rank())
+    before = opt.state_dict()
+    before = {pid: {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in st.items()}
+              for pid, st in before["state"].items()}
+    try:
+        opt.load_state_dict(plain.state_dict())
+        message = ""
+    except ValueError as error:
+        message = str(error)
+    after = opt.state_dict()["state"]
+    unchanged = all(torch.equal(after[pid][k].full_tensor() if hasattr(after[pid][k], "full_tensor") else after[pid][k], v)
+                    for pid, st in before.items() for k, v in st.items())
+    return message, unchanged
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -151,6 +173,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
             opt = OPTIMIZERS[name](model.parameters())
             train(model, opt, range(STEPS), rank)
             results["ddp"][name] = full_params(model.module)
+        results["rejected"] = _plain_states_into_sharded_optimizer()
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -254,3 +277,9 @@ def test_a_rank_with_an_empty_shard_takes_part(runs, single, name):
     # and the model still equals one process's. The oracle here is torch's AdamW on this model.
     allowed = 2 * max_error(runs[0]["empty_shard"]["torch.AdamW"], single[2]["torch.AdamW"]) + 1e-6
     assert max_error(runs[0]["empty_shard"][name], single[2][name]) <= allowed
+
+
+def test_an_unsharded_checkpoint_is_refused_by_a_sharded_optimizer(runs):
+    for rank in range(WORLD):
+        message, unchanged = runs[rank]["rejected"]
+        assert "must be a DTensor" in message and unchanged
