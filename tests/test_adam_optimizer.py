@@ -51,7 +51,9 @@ def assert_close_to_float64(fused_model, fused_opt, torch_cls, kwargs, steps, de
     def tensors(model, opt, key):
         if key == "param":
             return [p.detach().cpu() for p in model.parameters()]
-        return [opt.state[p][key].cpu() for p in model.parameters()]
+        # Through state_dict: on CUDA the default offload streams, and opt.state holds only `step`.
+        states = opt.state_dict()["state"]
+        return [states[pid][key].cpu() for pid in sorted(states)]
 
     for key in ("param", "exp_avg", "exp_avg_sq"):
         want = tensors(oracle, oracle_opt, key)

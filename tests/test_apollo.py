@@ -39,8 +39,9 @@ def train(model, opt, steps, seed=1, skip_bias_every=0):
 
 def collect(model, opt):
     out = {"param": [p.detach().cpu() for p in model.parameters()]}
+    states = opt.state_dict()["state"]  # on CUDA the default offload streams: opt.state holds `step` only
     for key in STATE_KEYS:
-        out[key] = [opt.state[p][key].cpu() for p in model.parameters() if p in opt.state]
+        out[key] = [states[pid][key].cpu() for pid in sorted(states)]
     return out
 
 

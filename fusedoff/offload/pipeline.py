@@ -53,7 +53,7 @@ class StreamPipeline:
         read, write = tuple(dict.fromkeys(tuple(read) + tuple(write))), tuple(write)
         names = read
         chunks = plan.chunks if chunks is None else list(chunks)
-        self._ensure_slots(len(names))
+        grown = self._ensure_slots(len(names))
         if not self.cuda:
             for k, chunk in enumerate(chunks):
                 buffers = self._views(k, chunk, names)
@@ -66,6 +66,8 @@ class StreamPipeline:
 
         main = torch.cuda.current_stream(self.device)
         self.compute.wait_stream(main)  # grads, params, steps and stats are produced on it
+        if grown:  # new buffers come from main's pool: blocks main's queued kernels may still use
+            self.copy_in.wait_stream(main)
         for t in device_inputs:
             t.record_stream(self.compute)  # not reused by the allocator before the compute is done
         if id(store) in self._last_copy_out:  # host state written by this store's previous pass
@@ -100,10 +102,18 @@ class StreamPipeline:
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for buffers in self.buffers for b in buffers)
 
-    def _ensure_slots(self, count: int) -> None:
+    def _ensure_slots(self, count: int) -> bool:
+        """Grows every buffer set to `count` state buffers; True if anything was allocated."""
+        grown = False
         for buffers in self.buffers:
             while len(buffers) < count:
-                buffers.append(torch.empty(self.chunk_size, dtype=torch.float32, device=self.device))
+                buffer = torch.empty(self.chunk_size, dtype=torch.float32, device=self.device)
+                if self.cuda:  # used on the side streams: not reused before their work is done
+                    for stream in (self.copy_in, self.compute, self.copy_out):
+                        buffer.record_stream(stream)
+                buffers.append(buffer)
+                grown = True
+        return grown
 
     def _views(self, k: int, chunk: Chunk, names: tuple[str, ...]) -> dict[str, Tensor]:
         buffers = self.buffers[k % len(self.buffers)]

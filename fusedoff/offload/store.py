@@ -9,6 +9,8 @@ request up to a power of two: the store holds the bytes it needs and no more.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import warnings
 import weakref
 
@@ -25,10 +27,41 @@ def _pin(tensor: Tensor) -> bool:
     cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
     if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
-        cudart.cudaGetLastError()  # clear it, or the next launch check reports it as its own
+        _clear_cuda_error()
         return False
-    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    finalizer = weakref.finalize(tensor, _unpin, tensor.data_ptr())
+    finalizer.atexit = False  # the process is ending: nothing to give back, and CUDA may be gone
     return True
+
+
+def _unpin(pointer: int) -> None:
+    # Copies to or from the slab may still be queued on the pipeline's streams: let them finish
+    # before the memory is unlocked and handed back to the host allocator.
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def _clear_cuda_error() -> None:
+    """Clears the CUDA runtime's last error, which a failed cudaHostRegister leaves set: the next
+    launch check anywhere (ours or torch's) would report it as its own failure. torch's `cudart()`
+    binding has no cudaGetLastError, so this calls the libcudart torch itself loaded."""
+    cudart = _loaded_cudart()
+    if cudart is None:
+        warnings.warn("fusedoff: could not clear the CUDA error left by a failed cudaHostRegister; "
+                      "a later CUDA call may report it", stacklevel=4)
+        return
+    cudart.cudaGetLastError()
+
+
+@functools.cache
+def _loaded_cudart() -> ctypes.CDLL | None:
+    try:
+        with open("/proc/self/maps") as maps:  # the instance torch uses: the error state is per instance
+            paths = [line.split()[-1] for line in maps if "libcudart.so" in line]
+    except OSError:
+        return None
+    return ctypes.CDLL(paths[0]) if paths else None
 
 
 class HostStateStore:
