@@ -37,70 +37,22 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import timing  # noqa: E402  (benchmarks/ is not a package)
+import traffic  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402
 from fusedoff.kernels.reference import ApolloReference  # noqa: E402
 
 LR, BETA, EPS, WEIGHT_DECAY, APOLLO_WARMUP = 1e-2, 0.9, 1e-4, 1e-2, 0
-CONFIGS = {
-    "constant_L2": dict(rebound="constant", weight_decay_type="L2"),
-    "belief_stable": dict(rebound="belief", weight_decay_type="stable"),
-}
+CONFIGS = traffic.APOLLO_CONFIGS
 AGREEMENT_STEPS, AGREEMENT_RTOL = 3, 1e-5
 
-# ---- bytes per parameter -----------------------------------------------------------------------------
-# (what, fp32 tensors read, fp32 tensors written) per pass or op; 4 B each. p g m B d are the param, grad
-# and the three states; gw y v t D q are the eager step's whole-tensor temporaries.
-#
-# Fused: the passes of apollo_whole_step_ (csrc/cpu/apollo_cpu.cpp, csrc/cuda/apollo_cuda.cu). The reduce
-# and 'moments' passes read p only for L2 decay.
-FUSED_PASSES = {
-    "constant_L2": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "p g m B d", ""),
-                    ("full: m, B, d, p", "p g m B d", "p m B d")],
-    "belief_stable": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "g m B d", ""),
-                      ("moments: m, B, sum D", "g m B d", "m B"),
-                      ("finish: d, p with wd / mean(D)", "p m B", "d p")],
-}
-# Eager: ApolloReference.step, op by op (an op that reads one tensor twice, d.mul(d), reads it once).
-_EAGER_MOMENTS = [
-    ("m.add_(y, alpha)", "m y", "m"),
-    ("d.norm(p=4)", "d", ""),
-    ("d.div_(den)", "d", "d"),
-    ("v = d.mul(d)", "d", "v"),
-    ("y.div_(den)", "y", "y"),
-    ("y.mul_(d)", "y d", "y"),
-    ("y.sum()", "y", ""),
-    ("t = B.mul(v)", "B v", "t"),
-    ("t.sum()", "t", ""),
-    ("B.addcmul_(v, delta)", "B v", "B"),
-    ("D = B.abs()", "B", "D"),
-]
-EAGER_OPS = {
-    "constant_L2": [("gw = g.add(p, alpha=wd)", "g p", "gw"), ("y = gw - m", "gw m", "y"), *_EAGER_MOMENTS,
-                    ("D.clamp_(min=0.01)", "D", "D"),
-                    ("q = m.div(D)", "m D", "q"),
-                    ("d.copy_(q)", "q", "d"),
-                    ("p.add_(d, alpha=-lr)", "p d", "p")],
-    "belief_stable": [("y = g - m", "g m", "y"), ("R = y.norm(p=inf)", "y", ""), *_EAGER_MOMENTS,
-                      ("D = torch.max(D, R)", "D", "D"),
-                      ("D.add_(eps / alpha)", "D", "D"),
-                      ("q = m.div(D)", "m D", "q"),
-                      ("d.copy_(q)", "q", "d"),
-                      ("D.mean().item()", "D", ""),
-                      ("d.add_(p, alpha=wd / mean)", "d p", "d"),
-                      ("p.add_(d, alpha=-lr)", "p d", "p")],
-}
-
-
-def bytes_per_param(steps: list[tuple[str, str, str]]) -> int:
-    return 4 * sum(len(reads.split()) + len(writes.split()) for _, reads, writes in steps)
-
-
-def describe_bytes(steps: list[tuple[str, str, str]]) -> str:
-    return "; ".join(f"{what} [r {reads or '-'} / w {writes or '-'}]" for what, reads, writes in steps)
+# Bytes per parameter of each pass (fused) and op (eager): written once in traffic.py.
+FUSED_PASSES, EAGER_OPS = traffic.APOLLO_FUSED_PASSES, traffic.APOLLO_EAGER_OPS
+bytes_per_param, describe_bytes = traffic.apollo_update_bytes, traffic.describe_steps
 
 
 # ---- the tensors -------------------------------------------------------------------------------------
@@ -246,22 +198,13 @@ def run_config(config: str, args, device: torch.device) -> list[dict]:
 # ---- output ------------------------------------------------------------------------------------------
 
 
+TABLE_COLUMNS = timing.paired_step_columns("fused", "fused") + [
+    ("rel. L2 diff p / dp", lambda r: f"{r['param_rel_l2_diff']:.1e} / {r['update_rel_l2_diff']:.1e}"),
+]
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ("config", "contender", "median ms", "p10-p90 ms", "B/param", "GB/s", "% of BW", "bound ms",
-            "fused speedup [p10-p90]", "rel. L2 diff p / dp")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        times = f"| {r['config']} | {r['contender']} | {r['ms_median']:.2f} | {r['ms_q10']:.2f}-{r['ms_q90']:.2f} |"
-        if r.get("bytes_per_param") is None:
-            lines.append(f"{times} | {r['achieved_gb_per_s']:.1f} | | | | |")
-            continue
-        speedup = ("1 (itself)" if r["contender"] == "fused" else
-                   f"{r['fused_speedup']:.2f}x [{r['fused_speedup_paired_q10']:.2f}-"
-                   f"{r['fused_speedup_paired_q90']:.2f}]")
-        lines.append(f"{times} {r['bytes_per_param']} | {r['achieved_gb_per_s']:.1f} | "
-                     f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['bound_ms']:.2f} | {speedup} | "
-                     f"{r['param_rel_l2_diff']:.1e} / {r['update_rel_l2_diff']:.1e} |")
-    return "\n".join(lines)
+    return timing.markdown_table(rows, TABLE_COLUMNS)
 
 
 def format_verdicts(rows: list[dict]) -> str:
@@ -291,39 +234,10 @@ def byte_accounting() -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4.8), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        rs = [r for r in rows if r["config"] == config and r.get("bytes_per_param")]
-        x = list(range(len(rs)))
-        err = [[r["ms_median"] - r["ms_q10"] for r in rs], [r["ms_q90"] - r["ms_median"] for r in rs]]
-        colors = ["tab:green" if r["contender"] == "fused" else "tab:gray" for r in rs]
-        ax.bar(x, [r["ms_median"] for r in rs], yerr=err, capsize=4, color=colors,
-               label="median step (whiskers p10-p90)")
-        ax.scatter(x, [r["bound_ms"] for r in rs], marker="_", s=900, color="tab:red", zorder=3,
-                   label="bandwidth bound: bytes / best in-place pass")
-        for i, r in enumerate(rs):
-            ax.annotate(f"{r['ms_median']:.1f} ms\n{r['bytes_per_param']} B/param", (i, 0), ha="center",
-                        va="bottom", xytext=(0, 4), textcoords="offset points", fontsize=8, color="white")
-        ax.set_xticks(x, ["fusedoff fused" if r["contender"] == "fused" else "eager torch\n(ApolloReference)"
-                          for r in rs], fontsize=8)
-        ax.set_ylabel("step time, ms")
-        ax.set_title(config)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-
-
+    groups = {c: [r for r in rows if r["config"] == c and r.get("bytes_per_param")] for c in CONFIGS}
+    timing.plot_step_bars({c: rs for c, rs in groups.items() if rs}, path, title,
+                          lambda r: "fusedoff fused" if r["contender"] == "fused" else "eager torch\n(ApolloReference)",
+                          lambda r: r["contender"] == "fused")
 
 
 def cache_note(meta: dict, args) -> str:
@@ -345,14 +259,11 @@ def results_markdown(rows, meta, args, load_note) -> str:
     bw = {r["config"]: r for r in rows if r.get("bandwidth_gb_per_s")}
     bound_lines = "\n".join(f"- {c}: best in-place pass = {bw[c]['bandwidth_gb_per_s']:.1f} GB/s "
                             f"({bw[c]['bandwidth_kernel']})" for c in CONFIGS if c in bw)
-    gpu = f"; GPU {meta['gpu']}, CUDA {meta['torch_cuda']}" if args.device.type == "cuda" else ""
     return f"""## bench_apollo ({args.device.type}): fused Apollo step, fusedoff vs the eager PyTorch reference
 
 - date: {meta['date_utc']}{' — ' + args.label if args.label else ''}
 - load: {load_note}
-- hardware (lscpu): {meta['cpu_model']} (family/model {meta['cpu_family_model']}), {meta['cpus']} CPUs,
-  {meta['sockets']} socket(s), L3 {meta['l3_cache']}, SIMD {meta['simd_flags']}, hypervisor {meta['hypervisor']},
-  {meta['mem_total_gib']} GiB, THP {meta['transparent_hugepages']}{gpu}
+{timing.hardware_lines(meta)}
 - versions: python {meta['python']}, torch {meta['torch']}, fusedoff {meta['fusedoff']}
   (cpu ISA {meta['fusedoff_cpu_isa']}); {meta['torch_threads']} threads (OpenMP runtime: {meta['openmp_runtimes']})
 - command: `{timing.command_line()}`
@@ -414,16 +325,12 @@ def main() -> None:
             print(f"timing {config}: {args.size} params in {args.tensors} tensors on {args.device}, {args.repeats} "
                   f"repeats, {args.threads} threads ...", flush=True)
             rows += run_config(config, args, args.device)
-    load_note = (f"other processes used {100 * load.others_share:.0f}% of the CPUs during the run "
-                 f"(1-min load average before it: {load.loadavg_before:.2f})" if load.others_share is not None
-                 else "unknown")
-    if load.others_share is not None and load.others_share > 0.05:
-        load_note += " — TAKEN UNDER LOAD, preliminary"
+    load_note = timing.load_note(load)
 
     extra = {"fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": load_extension().cpu_isa(),
              "device": str(args.device), "label": args.label, "load": load_note}
     if args.device.type == "cuda":
-        extra |= {"gpu": torch.cuda.get_device_name(args.device), "torch_cuda": torch.version.cuda}
+        extra |= timing.gpu_metadata()
     meta = timing.hardware_metadata(args.threads, extra)
     print()
     print(format_table(rows))

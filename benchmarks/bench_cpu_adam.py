@@ -39,8 +39,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import timing  # noqa: E402  (benchmarks/ is not a package)
+from peers import load_deepspeed_cpu_adam  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import ops  # noqa: E402
@@ -88,9 +90,6 @@ def make_arena(config: str, numel: int, seed: int = 0) -> Arena:
         arena.param_bf16 = weights.to(torch.bfloat16)
         arena.grad_fp32 = torch.empty(numel)
     return arena
-
-
-
 
 # ---- contenders --------------------------------------------------------------------------------------
 
@@ -150,27 +149,6 @@ def torch_contender(config: str, arena: Arena, upcast: str = "float") -> Contend
     name = "torch" if upcast == "float" else "torch_copy"
     how = "g.float()" if upcast == "float" else "copy_ into fp32 buffer"
     return Contender(name, f"torch AdamW(fused=True) + {how}", step, 34)
-
-
-def load_deepspeed_cpu_adam() -> tuple[type | None, str, str]:
-    """(DeepSpeedCPUAdam, version, how its op was built), or (None, why not, "").
-
-    The cpu_adam op is JIT-built into torch's extension cache on first use (minutes; pass
-    --no-deepspeed in a smoke test on a fresh machine) and loaded from there afterwards.
-    """
-    try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
-        builder = CPUAdamBuilder()
-        module = builder.load()
-        built = (f"accelerator {get_accelerator()._name}, cpu_adam op {getattr(module, '__file__', '?')} built with "
-                 f"{' '.join(builder.cxx_args())}")
-    except Exception as exc:  # ImportError, or the op's JIT build failing
-        return None, f"{type(exc).__name__}: {exc}", ""
-    return DeepSpeedCPUAdam, deepspeed.__version__, built
 
 
 def deepspeed_contender(cls, config: str, arena: Arena) -> Contender:
@@ -259,23 +237,13 @@ def run_config(config: str, args, deepspeed_cls) -> list[dict]:
 # ---- output ------------------------------------------------------------------------------------------
 
 
+TABLE_COLUMNS = timing.paired_step_columns("fusedoff", "fusedoff") + [
+    ("max|dw| vs torch", lambda r: f"{r['max_abs_weight_diff_vs_torch']:.1e}"),
+]
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ("config", "contender", "median ms", "p10-p90 ms", "B/param", "GB/s", "% of BW", "bound ms",
-            "fusedoff speedup [p10-p90]", "max|dw| vs torch")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if "bytes_per_param" not in r or r.get("bytes_per_param") is None:
-            lines.append(f"| {r['config']} | {r['contender']} | {r['ms_median']:.2f} | "
-                         f"{r['ms_q10']:.2f}-{r['ms_q90']:.2f} | | {r['achieved_gb_per_s']:.1f} | | | | |")
-            continue
-        speedup = ("1 (itself)" if r["contender"] == "fusedoff" else
-                   f"{r['fusedoff_speedup']:.2f}x [{r['fusedoff_speedup_paired_q10']:.2f}-"
-                   f"{r['fusedoff_speedup_paired_q90']:.2f}]")
-        lines.append(
-            f"| {r['config']} | {r['contender']} | {r['ms_median']:.2f} | {r['ms_q10']:.2f}-{r['ms_q90']:.2f} | "
-            f"{r['bytes_per_param']} | {r['achieved_gb_per_s']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}% | "
-            f"{r['bound_ms']:.2f} | {speedup} | {r['max_abs_weight_diff_vs_torch']:.1e} |")
-    return "\n".join(lines)
+    return timing.markdown_table(rows, TABLE_COLUMNS)
 
 
 def format_verdicts(rows: list[dict], deepspeed_status: str) -> str:
@@ -302,36 +270,9 @@ def _short_label(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.8), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        rs = [r for r in rows if r["config"] == config and r.get("bytes_per_param")]
-        x = list(range(len(rs)))
-        medians = [r["ms_median"] for r in rs]
-        err = [[r["ms_median"] - r["ms_q10"] for r in rs], [r["ms_q90"] - r["ms_median"] for r in rs]]
-        colors = ["tab:green" if r["contender"] == "fusedoff" else "tab:gray" for r in rs]
-        ax.bar(x, medians, yerr=err, capsize=4, color=colors, label="median step (whiskers p10-p90)")
-        ax.scatter(x, [r["bound_ms"] for r in rs], marker="_", s=900, color="tab:red", zorder=3,
-                   label="bandwidth bound: bytes / best in-place pass")
-        for i, r in enumerate(rs):
-            ax.annotate(f"{r['ms_median']:.0f} ms\n{r['bytes_per_param']} B/param", (i, 0), ha="center", va="bottom",
-                        xytext=(0, 4), textcoords="offset points", fontsize=8, color="white")
-        ax.set_xticks(x, [_short_label(r) for r in rs], fontsize=8)
-        ax.set_ylabel("step time, ms")
-        ax.set_title(config)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+    groups = {c: [r for r in rows if r["config"] == c and r.get("bytes_per_param")] for c in CONFIGS}
+    timing.plot_step_bars({c: rs for c, rs in groups.items() if rs}, path, title, _short_label,
+                          lambda r: r["contender"] == "fusedoff")
 
 
 def results_markdown(rows, meta, args, deepspeed_status, load_note) -> str:
@@ -344,9 +285,7 @@ def results_markdown(rows, meta, args, deepspeed_status, load_note) -> str:
 
 - date: {meta['date_utc']}{' — ' + args.label if args.label else ''}
 - load: {load_note}
-- hardware (lscpu): {meta['cpu_model']} (family/model {meta['cpu_family_model']}), {meta['cpus']} CPUs,
-  {meta['sockets']} socket(s), L3 {meta['l3_cache']}, SIMD {meta['simd_flags']}, hypervisor {meta['hypervisor']},
-  {meta['mem_total_gib']} GiB, THP {meta['transparent_hugepages']}
+{timing.hardware_lines(meta)}
 - versions: python {meta['python']}, torch {meta['torch']}, fusedoff {meta['fusedoff']}
   (cpu ISA {meta['fusedoff_cpu_isa']}), deepspeed {deepspeed_status}; {meta['torch_threads']} threads for all
   (OpenMP runtime: {meta['openmp_runtimes']})
@@ -403,11 +342,7 @@ def main() -> None:
             print(f"timing {config}: {args.size} params, {args.repeats} repeats, {args.threads} threads ...",
                   flush=True)
             rows += run_config(config, args, deepspeed_cls)
-    load_note = (f"other processes used {100 * load.others_share:.0f}% of the CPUs during the run "
-                 f"(1-min load average before it: {load.loadavg_before:.2f})" if load.others_share is not None
-                 else "unknown")
-    if load.others_share is not None and load.others_share > 0.05:
-        load_note += " — TAKEN UNDER LOAD, preliminary"
+    load_note = timing.load_note(load)
 
     meta = timing.hardware_metadata(args.threads, {
         "fusedoff": fusedoff.__version__,

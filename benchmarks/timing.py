@@ -11,8 +11,12 @@ What every benchmark here needs, written once:
     time in the same interleaved loop, so the bandwidth bound is measured under the same conditions.
   * ``LoadMonitor``: the share of the CPUs that *other* processes used during a run (from /proc), so a
     result taken on a busy machine says so.
-  * ``hardware_metadata``, ``write_csv``, ``update_results_section``: CSV rows with hardware and version
-    columns, and one replaceable section per script in results/RESULTS.md.
+  * ``time_cuda``: the same for one contender on a GPU: warm-up, then CUDA events (single-stream work) or
+    synchronised clocks (work on several streams or on the host), one sample per call.
+  * ``hardware_metadata``, ``gpu_metadata``, ``write_csv``/``read_csv``, ``update_results_section``: CSV rows
+    with hardware and version columns, and one replaceable section per script in results/RESULTS.md.
+  * ``markdown_table``, ``load_note``, ``hardware_lines``, ``plot_step_bars``: the table, load label,
+    hardware summary and bar chart every script prints, written once.
 """
 
 from __future__ import annotations
@@ -43,23 +47,63 @@ SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "neon", "asimd")
 
 
 def time_interleaved(
-    contenders: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int
+    contenders: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int,
+    before: Callable[[], object] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each contender, ``repeats`` samples each, taken in turn.
 
     Every contender is first called ``warmup`` times (page faults, lazy initialisation, JIT
     loading, the CPU clock settling). Then each repeat calls every contender once, in the given
-    order; a contender is a synchronous callable (CPU work: nothing to synchronise).
+    order; a contender is a synchronous callable (CPU work: nothing to synchronise). ``before`` runs
+    untimed before every call (e.g. attaching the next gradients of a rotation).
     """
     for fn in contenders.values():
         for _ in range(warmup):
+            if before is not None:
+                before()
             fn()
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, fn in contenders.items():
+            if before is not None:
+                before()
             start = time.perf_counter_ns()
             fn()
             samples[name].append((time.perf_counter_ns() - start) * 1e-9)
+    return samples
+
+
+def time_cuda(fn: Callable[[], object], *, repeats: int, warmup: int, events: bool,
+              before: Callable[[], object] | None = None) -> list[float]:
+    """Seconds per call of ``fn`` on the current GPU, one sample per call after ``warmup`` calls.
+
+    ``events=True``: CUDA events recorded on the current stream around the call (right for work that
+    runs on that stream alone: no host-side timer overhead). ``events=False``: the device is
+    synchronised before and after, and the host clock read between (right for work on several
+    streams, or on the host: it covers everything the call started). ``before`` runs untimed.
+    """
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        if events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e-3)
+        else:
+            torch.cuda.synchronize()
+            begin = time.perf_counter_ns()
+            fn()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter_ns() - begin) * 1e-9)
     return samples
 
 
@@ -179,6 +223,20 @@ class LoadMonitor:
             self.others_share = max(0.0, (d_busy - d_mine) / d_total)
 
 
+LOAD_THRESHOLD = 0.05  # above this share of the CPUs used by others, a result is labelled as taken under load
+
+
+def load_note(load: LoadMonitor) -> str:
+    """The load label every result carries: what other processes used, and 'TAKEN UNDER LOAD' above the threshold."""
+    if load.others_share is None:
+        return "unknown"
+    note = (f"other processes used {100 * load.others_share:.0f}% of the CPUs during the run "
+            f"(1-min load average before it: {load.loadavg_before:.2f})")
+    if load.others_share > LOAD_THRESHOLD:
+        note += " — TAKEN UNDER LOAD, preliminary"
+    return note
+
+
 # ---- metadata, CSV, RESULTS.md ----------------------------------------------------------------------
 
 
@@ -232,6 +290,35 @@ def hardware_metadata(threads: int, extra: Mapping[str, object] | None = None) -
     return meta
 
 
+def gpu_metadata() -> dict[str, object]:
+    """GPU columns (empty without a GPU): name, memory, capability, CUDA and driver versions."""
+    if not torch.cuda.is_available():
+        return {"gpu": ""}
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        driver = ""
+    return {
+        "gpu": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "gpu_multiprocessors": props.multi_processor_count,
+        "torch_cuda": torch.version.cuda,
+        "nvidia_driver": driver,
+    }
+
+
+def hardware_lines(meta: Mapping[str, object]) -> str:
+    """The hardware and version lines of a RESULTS.md section."""
+    gpu = (f"\n- GPU: {meta['gpu']} ({meta.get('gpu_memory_gib')} GiB, compute capability {meta.get('gpu_capability')}), "
+           f"CUDA {meta.get('torch_cuda')}, driver {meta.get('nvidia_driver')}" if meta.get("gpu") else "")
+    return (f"- hardware (lscpu): {meta['cpu_model']} (family/model {meta['cpu_family_model']}), {meta['cpus']} CPUs,\n"
+            f"  {meta['sockets']} socket(s), L3 {meta['l3_cache']}, SIMD {meta['simd_flags']}, hypervisor "
+            f"{meta['hypervisor']},\n  {meta['mem_total_gib']} GiB, THP {meta['transparent_hugepages']}{gpu}")
+
+
 def write_csv(path: Path, rows: Sequence[Mapping[str, object]], metadata: Mapping[str, object]) -> None:
     """One row per measurement, each followed by the metadata columns."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +330,23 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, object]], metadata: Mappin
         writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(full)
+
+
+def read_csv(path: Path) -> list[dict[str, object]]:
+    """Rows as written by write_csv, numbers parsed back (ints, then floats), empty cells as None."""
+
+    def parse(value: str) -> object:
+        if value == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+        return value
+
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def update_results_section(path: Path, key: str, markdown: str) -> None:
@@ -262,11 +366,24 @@ def summary_columns(prefix: str, s: Summary, scale: float = 1.0, digits: int = 3
     return {f"{prefix}_{k}": round(v * scale, digits) for k, v in asdict(s).items() if k != "n"}
 
 
+SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
 def parse_size(text: str) -> int:
     """'64M' -> 64 * 2**20; K, M, G are binary; plain integers as they are."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    if not text:
+        raise ValueError("empty size")
+    return int(float(text[:-1]) * SIZE_UNITS[text[-1]]) if text[-1] in SIZE_UNITS else int(text)
+
+
+def format_size(n: int) -> str:
+    """The inverse of parse_size where it is exact (64M, 1G, 1.5G), else the plain number."""
+    for unit in ("G", "M", "K"):
+        value = n / SIZE_UNITS[unit]
+        if value >= 1 and value * 4 == int(value * 4):
+            return f"{value:g}{unit}"
+    return str(n)
 
 
 def command_line() -> str:
@@ -278,3 +395,77 @@ def command_line() -> str:
         pass
     return shlex.join([str(exe), *sys.argv])
 
+
+
+# ---- tables and plots ---------------------------------------------------------------------------------
+
+
+def paired_step_columns(subject: str, key: str) -> list[tuple[str, Callable[[Mapping[str, object]], object]]]:
+    """The columns of a side-by-side step table (config, contender, timing, bytes, the bound) and
+    `subject`'s speedup over each peer from the row's `{key}_speedup*` fields."""
+    def speedup(r):
+        if r["contender"] == subject:
+            return "1 (itself)"
+        return f"{r[key + '_speedup']:.2f}x [{r[key + '_speedup_paired_q10']:.2f}-{r[key + '_speedup_paired_q90']:.2f}]"
+
+    return [
+        ("config", lambda r: r["config"]),
+        ("contender", lambda r: r["contender"]),
+        ("median ms", lambda r: f"{r['ms_median']:.2f}"),
+        ("p10-p90 ms", lambda r: f"{r['ms_q10']:.2f}-{r['ms_q90']:.2f}"),
+        ("B/param", lambda r: r["bytes_per_param"]),
+        ("GB/s", lambda r: f"{r['achieved_gb_per_s']:.1f}"),
+        ("% of BW", lambda r: f"{100 * r['fraction_of_bandwidth']:.0f}%"),
+        ("bound ms", lambda r: f"{r['bound_ms']:.2f}"),
+        (f"{subject} speedup [p10-p90]", speedup),
+    ]
+
+
+def markdown_table(rows: Sequence[Mapping[str, object]],
+                   columns: Sequence[tuple[str, Callable[[Mapping[str, object]], object]]]) -> str:
+    """A markdown table: one column per (header, cell function); a cell that raises or gives None is blank."""
+
+    def cell(fn, row) -> str:
+        try:
+            value = fn(row)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return ""
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(fn, r) for _, fn in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_step_bars(groups: Mapping[str, Sequence[Mapping[str, object]]], path: Path, title: str,
+                   label: Callable[[Mapping[str, object]], str], highlight: Callable[[Mapping[str, object]], bool]) -> None:
+    """One panel per group: median step time per contender (whiskers p10-p90), the bound as a red tick.
+
+    Rows need ms_median, ms_q10, ms_q90, bound_ms and bytes_per_param.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.8), squeeze=False)
+    for ax, (name, rs) in zip(axes[0], groups.items()):
+        x = list(range(len(rs)))
+        err = [[r["ms_median"] - r["ms_q10"] for r in rs], [r["ms_q90"] - r["ms_median"] for r in rs]]
+        colors = ["tab:green" if highlight(r) else "tab:gray" for r in rs]
+        ax.bar(x, [r["ms_median"] for r in rs], yerr=err, capsize=4, color=colors,
+               label="median step (whiskers p10-p90)")
+        ax.scatter(x, [r["bound_ms"] for r in rs], marker="_", s=900, color="tab:red", zorder=3,
+                   label="bandwidth bound: bytes / best in-place pass")
+        for i, r in enumerate(rs):
+            ax.annotate(f"{r['ms_median']:.1f} ms\n{r['bytes_per_param']} B/param", (i, 0), ha="center",
+                        va="bottom", xytext=(0, 4), textcoords="offset points", fontsize=8, color="white")
+        ax.set_xticks(x, [label(r) for r in rs], fontsize=8)
+        ax.set_ylabel("step time, ms")
+        ax.set_title(name)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

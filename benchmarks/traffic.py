@@ -1,0 +1,293 @@
+"""Bytes one optimizer step must move, per configuration: the figures every bound is computed from.
+
+Written once here and used by every benchmark and by the verdict; tests/test_benchmarks.py checks each
+formula against a hand computation. Counts are the bytes an implementation must read and write (each
+input read once, each output written once, no write-allocate), per step.
+
+A configuration's ``Traffic`` has two parts:
+  * the link: bytes host -> device (``h2d``) and device -> host (``d2h``) over the pinned PCIe/NVLink
+    path (for offload='stream' on CPU parameters: the loopback copies through host buffers);
+  * ``memory``: bytes the update itself reads and writes in the memory it runs in (``where``: the
+    device's or the host's).
+
+Precisions (``PRECISIONS``):
+  fp32         fp32 params, fp32 grads, fp32 states.
+  bf16_master  bf16 params and grads; the optimizer keeps fp32 master weights and fp32 states.
+
+The streamed layout is re-derived here from the rule in fusedoff/offload/plan.py (each tensor starts at
+a multiple of 16 elements; chunks of ``chunk_size`` elements over that flat space), independently of
+the engine's own ChunkPlan, and the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FP32 = 4
+ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param: int  # bytes per element of the model's parameter
+    grad: int  # bytes per element of its gradient
+    master: bool  # fp32 master weights kept by the optimizer
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", param=4, grad=4, master=False),
+    "bf16_master": Precision("bf16_master", param=2, grad=2, master=True),
+}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes per step (see the module docstring)."""
+
+    h2d: int = 0
+    d2h: int = 0
+    memory: int = 0
+    where: str = "device"  # "device" | "host": the memory `memory` is counted in
+
+    @property
+    def link(self) -> int:
+        return self.h2d + self.d2h
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Measured bytes/s; None where not measured (no GPU: no link)."""
+
+    h2d: float | None = None
+    d2h: float | None = None
+    bidir: float | None = None  # both directions at once: total bytes / time
+    device: float | None = None  # device memory, bytes read + written per second
+    host: float | None = None  # host memory, bytes read + written per second (best in-place pass)
+
+
+def bound_seconds(traffic: Traffic, bandwidth: Bandwidth) -> tuple[float | None, str]:
+    """The least time a step can take at the measured bandwidths, and what binds it.
+
+    The link term is the slowest of: h2d alone at the h2d rate, d2h alone at the d2h rate, and both
+    together at the bidirectional rate (copies in and out overlap in a pipelined step). The memory term
+    is the update's bytes at its memory's rate. Both can overlap, so the bound is their maximum. Without
+    a measured link (CPU), loopback copies are not counted: they are not needed work, and the overhead
+    they add is what the benchmark reports against offload='none'.
+    """
+    terms: dict[str, float] = {}
+    if traffic.link and None not in (bandwidth.h2d, bandwidth.d2h, bandwidth.bidir):
+        terms["pinned link"] = max(traffic.h2d / bandwidth.h2d, traffic.d2h / bandwidth.d2h,
+                                   traffic.link / bandwidth.bidir)
+    rate = bandwidth.device if traffic.where == "device" else bandwidth.host
+    if traffic.memory and rate:
+        terms[f"{traffic.where} memory"] = traffic.memory / rate
+    if not terms:
+        return None, ""
+    kind = max(terms, key=terms.get)
+    return terms[kind], kind
+
+
+# ---- the fused update's own bytes ----------------------------------------------------------------------
+
+
+def adam_update_bytes(precision: Precision, amsgrad: bool = False) -> int:
+    """Per element, one fused Adam/AdamW update where its states are (fusedoff's kernel).
+
+    Reads the fp32 weights (the param, or the master), the grad, exp_avg, exp_avg_sq (and
+    max_exp_avg_sq); writes the fp32 weights and the states, and with master weights the rounded
+    low-precision param too. fp32: 16 + 12 = 28; bf16_master: 14 + 14 = 28.
+    """
+    states = 2 + int(amsgrad)
+    reads = FP32 + precision.grad + FP32 * states
+    writes = FP32 + FP32 * states + (precision.param if precision.master else 0)
+    return reads + writes
+
+
+# Apollo, per pass (fusedoff) or op (eager reference), as (what, tensors read, tensors written). p g m B d
+# are the param, grad and the three states (exp_avg_grad, approx_hessian, update); gw y v t D q are the
+# eager step's whole-tensor temporaries. Fused: the passes of apollo_whole_step_ (csrc/cpu/apollo_cpu.cpp,
+# csrc/cuda/apollo_cuda.cu); the reduce and 'moments' passes read p only for L2 decay.
+APOLLO_CONFIGS = {
+    "constant_L2": dict(rebound="constant", weight_decay_type="L2"),
+    "belief_stable": dict(rebound="belief", weight_decay_type="stable"),
+}
+APOLLO_FUSED_PASSES = {
+    "constant_L2": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "p g m B d", ""),
+                    ("full: m, B, d, p", "p g m B d", "p m B d")],
+    "belief_stable": [("reduce: sums of d^4, y*d, B*d^2, max|y|", "g m B d", ""),
+                      ("moments: m, B, sum D", "g m B d", "m B"),
+                      ("finish: d, p with wd / mean(D)", "p m B", "d p")],
+}
+# Eager: ApolloReference.step, op by op (an op that reads one tensor twice, d.mul(d), reads it once).
+_EAGER_MOMENTS = [
+    ("m.add_(y, alpha)", "m y", "m"),
+    ("d.norm(p=4)", "d", ""),
+    ("d.div_(den)", "d", "d"),
+    ("v = d.mul(d)", "d", "v"),
+    ("y.div_(den)", "y", "y"),
+    ("y.mul_(d)", "y d", "y"),
+    ("y.sum()", "y", ""),
+    ("t = B.mul(v)", "B v", "t"),
+    ("t.sum()", "t", ""),
+    ("B.addcmul_(v, delta)", "B v", "B"),
+    ("D = B.abs()", "B", "D"),
+]
+APOLLO_EAGER_OPS = {
+    "constant_L2": [("gw = g.add(p, alpha=wd)", "g p", "gw"), ("y = gw - m", "gw m", "y"), *_EAGER_MOMENTS,
+                    ("D.clamp_(min=0.01)", "D", "D"),
+                    ("q = m.div(D)", "m D", "q"),
+                    ("d.copy_(q)", "q", "d"),
+                    ("p.add_(d, alpha=-lr)", "p d", "p")],
+    "belief_stable": [("y = g - m", "g m", "y"), ("R = y.norm(p=inf)", "y", ""), *_EAGER_MOMENTS,
+                      ("D = torch.max(D, R)", "D", "D"),
+                      ("D.add_(eps / alpha)", "D", "D"),
+                      ("q = m.div(D)", "m D", "q"),
+                      ("d.copy_(q)", "q", "d"),
+                      ("D.mean().item()", "D", ""),
+                      ("d.add_(p, alpha=wd / mean)", "d p", "d"),
+                      ("p.add_(d, alpha=-lr)", "p d", "p")],
+}
+
+
+def apollo_update_bytes(steps: Sequence[tuple[str, str, str]], precision: Precision = PRECISIONS["fp32"]) -> int:
+    """Per element, bytes of a list of Apollo passes or ops. Every tensor is fp32 except the grad (its
+    precision's) and, with master weights, `p` is the fp32 master plus a rounded param written with it."""
+    size = {"g": precision.grad}
+    total = 0
+    for _, reads, writes in steps:
+        total += sum(size.get(t, FP32) for t in reads.split()) + sum(size.get(t, FP32) for t in writes.split())
+        if precision.master and "p" in writes.split():
+            total += precision.param
+    return total
+
+
+def describe_steps(steps: Sequence[tuple[str, str, str]]) -> str:
+    return "; ".join(f"{what} [r {reads or '-'} / w {writes or '-'}]" for what, reads, writes in steps)
+
+
+# ---- the streamed layout -------------------------------------------------------------------------------
+
+
+def chunk_layout(numels: Sequence[int], chunk_size: int) -> list[tuple[int, bool]]:
+    """(elements, holds whole tensors only) per chunk of the streamed flat layout."""
+    offsets, flat = [], 0
+    for n in numels:
+        offsets.append(flat)
+        flat = -(-(flat + n) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    chunks = []
+    for begin in range(0, flat, chunk_size):
+        end = min(begin + chunk_size, flat)
+        whole = True
+        for offset, n in zip(offsets, numels):
+            if n and offset < end and offset + n > begin:  # the tensor has elements in this chunk
+                whole = whole and begin <= offset and offset + n <= end
+        chunks.append((end - begin, whole))
+    return chunks
+
+
+def _streamed(chunks: Sequence[int], read: Sequence[str], write: Sequence[str]) -> tuple[int, int]:
+    """(h2d, d2h) bytes of one pipeline pass over `chunks`: every written state is also copied in."""
+    copied_in = set(read) | set(write)
+    elements = sum(chunks)
+    return FP32 * len(copied_in) * elements, FP32 * len(set(write)) * elements
+
+
+def adam_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision,
+                     amsgrad: bool = False) -> tuple[int, int]:
+    """(h2d, d2h) of a streamed Adam/AdamW step: one pass, every state (and the master) in and out."""
+    states = ["exp_avg", "exp_avg_sq"] + ["max_exp_avg_sq"] * amsgrad + ["master_param"] * precision.master
+    return _streamed([n for n, _ in chunk_layout(numels, chunk_size)], states, states)
+
+
+def apollo_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision, config: str) -> tuple[int, int]:
+    """(h2d, d2h) of a streamed Apollo step (fusedoff/optim/apollo.py's `_streamed_step`).
+
+    Chunks holding whole tensors only run every phase while resident: the moments and the master in and
+    out once. Chunks of tensors that span chunks take one pipeline pass per phase, each copying in what it
+    reads or writes and copying out what it writes. The reduce and 'moments' phases read the master
+    only with L2 decay."""
+    moments = ["exp_avg_grad", "approx_hessian", "update"]
+    master = ["master_param"] if precision.master else []
+    l2 = APOLLO_CONFIGS[config]["weight_decay_type"] == "L2"  # the benchmarks use weight_decay > 0
+    passes = {
+        "reduce": (moments + (master if l2 else []), []),
+        "full": (moments + master, moments + master),
+        "moments": (moments + (master if l2 else []), moments[:2]),
+        "finish": (moments[:2] + master, moments[2:] + master),
+    }
+    phases = ("reduce", "moments", "finish") if APOLLO_CONFIGS[config]["weight_decay_type"] == "stable" \
+        else ("reduce", "full")
+    layout = chunk_layout(numels, chunk_size)
+    whole = [n for n, w in layout if w]
+    spanning = [n for n, w in layout if not w]
+    h2d, d2h = _streamed(whole, moments + master, moments + master)
+    for phase in phases if spanning else ():
+        a, b = _streamed(spanning, *passes[phase])
+        h2d, d2h = h2d + a, d2h + b
+    return h2d, d2h
+
+
+# ---- each configuration's traffic ---------------------------------------------------------------------
+
+
+def fusedoff_traffic(optimizer: str, precision: Precision, offload: str, numels: Sequence[int], chunk_size: int,
+                     device: str, apollo_config: str = "constant_L2") -> Traffic:
+    """fusedoff.AdamW / fusedoff.Apollo with offload 'none' or 'stream' (params and grads on `device`)."""
+    n = sum(numels)
+    if optimizer == "adamw":
+        memory = adam_update_bytes(precision) * n
+    else:
+        memory = apollo_update_bytes(APOLLO_FUSED_PASSES[apollo_config], precision) * n
+    where = "device" if device == "cuda" else "host"
+    if offload == "none":
+        return Traffic(memory=memory, where=where)
+    if optimizer == "adamw":
+        h2d, d2h = adam_stream_link(numels, chunk_size, precision)
+    else:
+        h2d, d2h = apollo_stream_link(numels, chunk_size, precision, apollo_config)
+    return Traffic(h2d=h2d, d2h=d2h, memory=memory, where=where)
+
+
+def peer_traffic(peer: str, precision: Precision, numel: int, device: str) -> Traffic:
+    """The peers of bench_step.py (see peers.py for what each does), per step over `numel` params.
+
+    torch_fused    torch.optim.AdamW(fused=True), states resident. bf16_master: the fp32 master's grad is
+                   the bf16 grad upcast (`g.float()`: read 2, write 4) before the 28-byte step; no bf16
+                   param is written back.
+    naive_offload  a user's loop: the states (and the fp32 master) on the CPU, per parameter `.to(device)`,
+                   a torch fused step there, `.to('cpu')`; the param stays on the device. Link: the states
+                   both ways. Device memory: the step, plus for bf16_master the upcast (6) and the
+                   param write-back `p.copy_(master)` (6).
+    zero_offload   DeepSpeed's pattern: the grad to pinned host memory, DeepSpeedCPUAdam on an fp32 master
+                   in host memory, the param back. Link: grad down, param up. Host memory: the step, plus
+                   for bf16_master the upcast into the fp32 grad buffer (6) and the rounding into the
+                   pinned bf16 param (6).
+    torchao        torchao's CPUOffloadOptimizer: grad down, torch's fused CPU AdamW on a host copy of the
+                   param *in the param's dtype* (bf16 states for bf16 params: 7 elements of 2 B), param up.
+    bnb_paged      bitsandbytes' PagedAdamW (32-bit states in CUDA managed memory, resident while they
+                   fit), updating the param directly: fp32 28; bf16 params with fp32 states 22.
+    apollo_eager   fusedoff.kernels.reference.ApolloReference (fp32 only): the eager op sequence.
+    """
+    p = precision
+    if peer == "torch_fused":
+        upcast = (p.grad + FP32) if p.master else 0
+        return Traffic(memory=(adam_update_bytes(PRECISIONS["fp32"]) + upcast) * numel,
+                       where="device" if device == "cuda" else "host")
+    if peer == "naive_offload":
+        moved = FP32 * (2 + int(p.master)) * numel
+        extra = (p.grad + FP32 + FP32 + p.param) if p.master else 0
+        return Traffic(h2d=moved, d2h=moved, memory=(adam_update_bytes(PRECISIONS["fp32"]) + extra) * numel)
+    if peer == "zero_offload":
+        extra = (p.grad + FP32 + FP32 + p.param) if p.master else 0
+        return Traffic(h2d=p.param * numel, d2h=p.grad * numel,
+                       memory=(adam_update_bytes(PRECISIONS["fp32"]) + extra) * numel, where="host")
+    if peer == "torchao":
+        return Traffic(h2d=p.param * numel, d2h=p.grad * numel, memory=7 * p.param * numel, where="host")
+    if peer == "bnb_paged":
+        return Traffic(memory=(2 * p.param + p.grad + 4 * FP32) * numel)
+    if peer == "apollo_eager":
+        return Traffic(memory=apollo_update_bytes(APOLLO_EAGER_OPS["constant_L2"]) * numel,
+                       where="device" if device == "cuda" else "host")
+    raise ValueError(f"unknown peer {peer!r}")
