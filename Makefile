@@ -21,7 +21,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so pip takes the local build and never a different release
 	$(BIN)/pip install --quiet torch==2.14.1
-	$(BIN)/pip install --quiet "setuptools>=64" wheel ninja pybind11 pytest numpy
+	$(BIN)/pip install --quiet "setuptools>=64" wheel ninja pybind11 pytest numpy tqdm matplotlib
 
 $(STAMP): $(BIN)/python $(SOURCES)
 	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip install --no-build-isolation --no-deps -e . 
@@ -29,7 +29,7 @@ $(STAMP): $(BIN)/python $(SOURCES)
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet matplotlib
-	$(BIN)/python benchmarks/bench_cpu_adam.py $(ARGS)
+	$(BIN)/python benchmarks/bench_step.py --device cpu $(ARGS)
 
 clean:
 	rm -rf build fusedoff/_C*.so *.egg-info

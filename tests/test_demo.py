@@ -1,19 +1,71 @@
-"""The README's first command: the demo trains with both optimizers and reports their agreement."""
+"""The README's first command: the demo trains with both optimizers, reports their agreement and
+where the memory goes. Tiny models and a few steps: a second or two a run on an idle 2-core machine."""
+
+import dataclasses
+
+import pytest
+import torch
 
 from fusedoff import demo
 
+TINY = ["--steps", "8", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "4"]
+
+
+def run_demo(capsys, *extra):
+    status = demo.main([*TINY, *extra])
+    return status, capsys.readouterr().out
+
 
 def test_demo_runs_and_the_two_optimizers_agree(capsys):
-    status = demo.main(["--steps", "12", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "4"])
-    out = capsys.readouterr().out
+    status, out = run_demo(capsys)
     assert "torch.optim.AdamW" in out and "fusedoff.AdamW" in out
     assert status == 0, out
-    assert ": OK" in out
+    assert "the two runs agree: OK" in out
+    for phase in ("forward", "backward", "step"):
+        assert f" {phase} " in out
+    assert "fp32 gradient copies" in out and "streaming buffers" in out
 
 
-def test_demo_fails_loudly_when_runs_disagree(capsys):
-    # A tolerance nobody can meet exercises the FAIL path: the agreement check can fail.
-    status = demo.main(["--steps", "6", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "1",
-                        "--tolerance", "0", "--lr", "0.05"])
-    out = capsys.readouterr().out
-    assert status == 1 and ": FAIL" in out
+def test_demo_fails_loudly_when_an_update_is_ten_percent_off(capsys, monkeypatch):
+    # At the demo's own tolerances: fusedoff with a 10% larger lr must not pass as agreeing.
+    make_optimizer = demo.make_optimizer
+
+    def ten_percent_off(which, model, cfg):
+        return make_optimizer(which, model, dataclasses.replace(cfg, lr=cfg.lr * 1.1) if which == "fusedoff" else cfg)
+
+    monkeypatch.setattr(demo, "make_optimizer", ten_percent_off)
+    status, out = run_demo(capsys, "--steps", "4")
+    assert status == 1 and "the two runs agree: FAIL" in out
+    early = next(line for line in out.splitlines() if line.startswith("first 4 steps"))
+    assert float(early.split("difference ")[1].split()[0]) > 10 * demo.EARLY_TOLERANCE[torch.float32], early
+
+
+def test_demo_bf16_recipe_of_the_gpu_runs_on_cpu(capsys):
+    # The GPU's recipe (bf16 parameters, torch with fp32 masters and upcast gradients against
+    # fusedoff streaming states and masters from host memory), on CPU: agreement, and the
+    # optimizer's own memory_stats equal to the prediction.
+    status, out = run_demo(capsys, "--dtype", "bfloat16", "--offload", "stream")
+    assert status == 0, out
+    assert "torch.optim.AdamW + fp32 upcast" in out and "offload=stream" in out
+    assert "memory_stats(): host" in out and "as predicted" in out
+    assert "torch + upcast" in out and "torch on bfloat16" in out  # the alternatives' columns
+
+
+def test_demo_apollo_against_the_reference(capsys):
+    status, out = run_demo(capsys, "--optimizer", "apollo")
+    assert status == 0, out
+    assert "ApolloReference" in out and "fusedoff.Apollo" in out
+
+
+def test_demo_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    status, out = run_demo(capsys, "--steps", "2", "--plot", str(path))
+    assert status == 0, out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_fails_when_memory_stats_differ_from_the_prediction(capsys, monkeypatch):
+    monkeypatch.setattr(demo.memory, "check_memory_stats", lambda prediction, stats: ["host_bytes 1 != predicted 2"])
+    status, out = run_demo(capsys, "--steps", "3")
+    assert status == 1 and "DIFFERS from the prediction: host_bytes 1 != predicted 2" in out

@@ -1,0 +1,272 @@
+"""fusedoff.memory: predictions against the tensors the setups really create, phase bookkeeping,
+the table, and (on a GPU) measured against predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedoff
+from fusedoff import memory
+from fusedoff.demo import UpcastMixedPrecision
+from fusedoff.kernels.reference import ApolloReference
+
+# Odd sizes: a 0-d tensor and lengths that are not multiples of the host store's 16-element alignment.
+SHAPES = ((), (1,), (7,), (4097,), (33, 5))
+
+
+def make_params(dtype, shapes=SHAPES, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=dtype)
+    return params
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_tensors(opt, keep) -> list[torch.Tensor]:
+    """The optimizer's state tensors whose key passes `keep` (step counters are never predicted)."""
+    return [t for s in opt.state.values() for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step" and keep(k)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["adamw", "apollo"])
+def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kind, dtype):
+    params = make_params(dtype)
+    opt = (fusedoff.Apollo(params, lr=0.01, offload="none") if kind == "apollo"
+           else fusedoff.AdamW(params, offload="none"))
+    opt.step()
+    got = memory.predict(params, optimizer=kind, offload="none")
+    assert got.device[memory.PARAMETERS] == nbytes(params)
+    assert got.device[memory.GRADIENTS] == nbytes(p.grad for p in params)
+    assert got.device[memory.STATES] == nbytes(state_tensors(opt, lambda k: k != "master_param"))
+    assert got.device[memory.MASTERS] == nbytes(state_tensors(opt, lambda k: k == "master_param"))
+    assert got.device[memory.MASTERS] == (4 * sum(p.numel() for p in params) if dtype == torch.bfloat16 else 0)
+    assert got.device[memory.FP32_GRADS] == got.device[memory.BUFFERS] == got.host_total == 0
+    assert memory.check_memory_stats(got, opt.memory_stats()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["adamw", "apollo"])
+def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, dtype):
+    # With CPU parameters offload="stream" runs the same store and buffer rotation as on a GPU.
+    params = make_params(dtype)
+    chunk = 256  # several chunks, tensors spanning them
+    options = dict(offload="stream", chunk_size=chunk, num_buffers=3)
+    opt = fusedoff.Apollo(params, lr=0.01, **options) if kind == "apollo" else fusedoff.AdamW(params, **options)
+    opt.step()
+    got = memory.predict(params, optimizer=kind, **options)
+    stats = opt.memory_stats()
+    assert got.host_total == stats["host_bytes"]
+    assert memory.check_memory_stats(got, stats) == []
+    slabs = [(name, slab) for b in opt._engine.buckets.values() for name, ss in b.store.slabs.items() for slab in ss]
+    assert got.host[memory.HOST_MASTERS] == nbytes(slab for name, slab in slabs if name == "master_param")
+    assert got.host[memory.HOST_STATES] == nbytes(slab for name, slab in slabs if name != "master_param")
+    assert got.host[memory.HOST_MASTERS] > 0 if dtype == torch.bfloat16 else got.host[memory.HOST_MASTERS] == 0
+    buffers = [b for pipeline in opt._engine.pipelines.values() for buffer_set in pipeline.buffers for b in buffer_set]
+    assert got.device[memory.BUFFERS] == nbytes(buffers)
+    assert got.device[memory.STATES] == got.device[memory.MASTERS] == 0
+
+
+def test_check_memory_stats_reports_a_difference():
+    params = make_params(torch.float32)
+    opt = fusedoff.AdamW(params, offload="stream", chunk_size=256)
+    opt.step()
+    amsgrad = memory.predict(params, offload="stream", chunk_size=256, amsgrad=True)  # one state too many
+    problems = memory.check_memory_stats(amsgrad, opt.memory_stats())
+    assert len(problems) == 1 and problems[0].startswith("host_bytes")
+
+
+@pytest.mark.parametrize("kind", ["adamw", "apollo"])
+def test_plain_setup_predicts_the_states_of_torch_and_the_reference_on_bf16_parameters(kind):
+    params = make_params(torch.bfloat16)
+    opt = ApolloReference(params, lr=0.01) if kind == "apollo" else torch.optim.AdamW(params, fused=True)
+    opt.step()
+    got = memory.predict(params, setup="plain", optimizer=kind)
+    assert got.device[memory.STATES] == nbytes(state_tensors(opt, lambda k: True))
+    assert got.device[memory.MASTERS] == got.device[memory.FP32_GRADS] == got.host_total == 0
+
+
+def test_upcast_setup_predicts_masters_fp32_gradient_copies_and_fp32_states():
+    params = make_params(torch.bfloat16)
+    opt = UpcastMixedPrecision(params, lambda masters: torch.optim.AdamW(masters, fused=True))
+    opt.step()
+    got = memory.predict(params, setup="upcast")
+    assert got.device[memory.MASTERS] == nbytes(opt.masters)
+    assert got.device[memory.FP32_GRADS] == nbytes(m.grad for m in opt.masters)
+    assert got.device[memory.STATES] == nbytes(state_tensors(opt.optimizer, lambda k: True))
+    assert got.device[memory.PARAMETERS] == got.device[memory.GRADIENTS] == nbytes(params)
+    # fusedoff on the same parameters: no fp32 gradient copy, and streamed, no state on the device.
+    ours = memory.predict(params, offload="stream", chunk_size=256, device="cuda")
+    assert ours.device[memory.FP32_GRADS] == ours.device[memory.STATES] == ours.device[memory.MASTERS] == 0
+
+
+def test_predictions_need_only_shapes_and_dtypes():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    got = memory.predict(model, device="cuda")  # offload "auto" streams CUDA parameters
+    assert got.device[memory.PARAMETERS] == got.device[memory.GRADIENTS] == 2 * n
+    assert got.device[memory.BUFFERS] == 2 * 3 * fusedoff.offload.engine.DEFAULT_CHUNK_SIZE * 4
+    assert got.host[memory.HOST_STATES] == 2 * 4 * n and got.host[memory.HOST_MASTERS] == 4 * n  # sizes align
+    # No gradient in the forward pass (zero_grad(set_to_none=True) comes first), all of them after it.
+    assert got.present("forward") == 2 * n + got.device[memory.BUFFERS]
+    assert got.present("backward") == got.present("step") == got.device_total == 4 * n + got.device[memory.BUFFERS]
+    upcast = memory.predict(model, setup="upcast")  # its fp32 gradient copies exist in the step only
+    assert upcast.present("step") - upcast.present("backward") == upcast.device[memory.FP32_GRADS] == 4 * n
+
+
+def test_tied_parameters_count_once_and_bad_arguments_are_refused():
+    shared = torch.nn.Parameter(torch.zeros(10))
+    assert memory.predict([shared, shared]).device[memory.PARAMETERS] == 40
+    with pytest.raises(ValueError, match="setup"):
+        memory.predict([shared], setup="deepspeed")
+    with pytest.raises(ValueError, match="amsgrad"):
+        memory.predict([shared], optimizer="apollo", amsgrad=True)
+    with pytest.raises(ValueError, match="phase"):
+        memory.predict([shared]).present("optimizer")
+
+
+def test_cpu_phases_record_calls_and_a_transient_peak():
+    report = memory.MemoryReport("cpu")
+    if not report.host_peak_resettable:
+        pytest.skip("this kernel does not let the peak resident memory be reset")
+    for _ in range(2):
+        with report.phase("forward"):
+            transient = torch.ones(16 * 2**20)  # 64 MiB, touched, freed before the phase ends
+            del transient
+        with report.phase("step"):
+            pass
+    forward, step = report.phases["forward"], report.phases["step"]
+    assert list(report.phases) == ["forward", "step"] and forward.calls == step.calls == 2
+    # Linux counts resident pages per thread in batches, so RSS may lag by up to 64 pages a thread.
+    assert forward.peak_bytes - forward.entry_bytes >= 63 * 2**20
+    assert step.peak_bytes - step.entry_bytes < 2**20
+
+
+class FakeCudaCounters:
+    """torch.cuda's allocator counters, driven by the test (no GPU touched)."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def allocate(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def reset_peak(self, device=None):
+        self.peak = self.allocated
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset_peak)
+
+
+def test_cuda_phases_reset_and_read_the_peak_counter(monkeypatch):
+    counters = FakeCudaCounters()
+    counters.install(monkeypatch)
+    counters.allocate(1000)
+    report = memory.MemoryReport("cuda:0")
+    counters.allocate(5000)  # a peak before the phase is not the phase's
+    counters.allocate(-5000)
+    with report.phase("forward"):
+        counters.allocate(300)
+        counters.allocate(-100)
+    assert (report.phases["forward"].entry_bytes, report.phases["forward"].peak_bytes) == (0, 300)
+    with report.phase("backward"):  # enters at 200
+        counters.allocate(700)
+        counters.allocate(-800)
+        counters.reset_peak()  # someone else resets the process-wide counter, below the entry level
+        counters.allocate(50)
+    backward = report.phases["backward"]
+    # The peak before the reset (900) is lost; the entry reading bounds it below, and it is flagged.
+    assert backward.counter_reset_seen and backward.peak_bytes == 200
+    with report.phase("step"):  # a reset above the entry level loses nothing here and is not flagged
+        counters.allocate(400)
+        counters.reset_peak()
+        counters.allocate(-400)
+    assert not report.phases["step"].counter_reset_seen and report.phases["step"].peak_bytes == 150 + 400
+    assert "reset elsewhere" in memory.format_report([], [memory.MeasuredRun("run", memory.predict([]), report)])
+
+
+def test_table_shows_every_component_and_the_remainder_of_each_phase():
+    params = make_params(torch.bfloat16, shapes=((1024, 1024),))  # 2 MiB of bf16
+    ours = memory.predict(params, offload="stream", chunk_size=2**17, device="cuda", label="fusedoff stream")
+    upcast = memory.predict(params, setup="upcast", label="torch + upcast")
+    report = memory.MemoryReport("cpu")
+    report.phases["forward"] = memory.PhaseMemory("forward", calls=1, entry_bytes=0, peak_bytes=10 * 2**20)
+    report.phases["custom"] = memory.PhaseMemory("custom", calls=1, entry_bytes=0, peak_bytes=2**20)
+    run = memory.MeasuredRun("fusedoff.AdamW", ours, report, notes=["a note"])
+    table = memory.format_report([ours, upcast], [run])
+    lines = table.splitlines()
+    assert lines[0].split()[-4:] == ["stream", "torch", "+", "upcast"]
+
+    def row(name):
+        return next(line for line in lines if line.startswith("  " + name)).split()[-2:]
+
+    assert row(memory.PARAMETERS) == ["2.00", "2.00"]
+    assert row(memory.STATES) == ["0.00", "8.00"]
+    assert row(memory.MASTERS) == ["0.00", "4.00"]
+    assert row(memory.FP32_GRADS) == ["0.00", "4.00"]
+    assert row(memory.BUFFERS) == ["3.00", "0.00"]  # 2 sets x 3 states x 2**17 x 4 bytes
+    assert row("device total at the step") == ["7.00", "20.00"]
+    assert row(memory.HOST_STATES) == ["8.00", "0.00"]
+    assert row(memory.HOST_MASTERS) == ["4.00", "0.00"]
+    forward = next(line for line in lines if " forward " in line).split()
+    # predicted in the forward pass: parameters and buffers (5 MiB); peak 10 MiB; remainder 5 MiB
+    assert forward[-4:] == ["5.00", "0.00", "10.00", "5.00"]
+    custom = next(line for line in lines if " custom " in line).split()
+    assert custom[-4:] == ["-", "0.00", "1.00", "-"]  # no prediction for a phase it does not know
+    assert "  a note" in lines
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    params = make_params(torch.float32)
+    report = memory.MemoryReport("cpu")
+    with report.phase("forward"):
+        pass
+    path = tmp_path / "memory.png"
+    memory.plot_report([memory.MeasuredRun("run", memory.predict(params), report)], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setup", ["fusedoff", "upcast"])
+def test_cuda_measured_step_matches_the_prediction(setup):
+    # Sizes in multiples of 512 bytes: the caching allocator rounds every block up to 512 bytes.
+    shapes = [(2**20,)] * 4 + [(512, 1024)]
+    torch.cuda.synchronize()
+    report = memory.MemoryReport("cuda")
+    params = make_params(torch.bfloat16, shapes=shapes, device="cuda")
+    for p in params:
+        p.grad = None
+    chunk = 2**18
+    if setup == "fusedoff":
+        opt = fusedoff.AdamW(params, offload="stream", chunk_size=chunk)
+        predicted = memory.predict(params, offload="stream", chunk_size=chunk)
+    else:
+        opt = UpcastMixedPrecision(params, lambda masters: torch.optim.AdamW(masters, fused=True))
+        predicted = memory.predict(params, setup="upcast")
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        with report.phase("forward"):
+            pass
+        with report.phase("backward"):
+            for p in params:
+                p.grad = torch.randn_like(p)
+        with report.phase("step"):
+            opt.step()
+    torch.cuda.synchronize()
+    # Besides the predicted components: one step counter per tensor (a 512-byte block each) and,
+    # for torch, its fused kernel's small bookkeeping tensors.
+    slack = 64 * 1024
+    for name in ("forward", "backward", "step"):
+        phase = report.phases[name]
+        assert 0 <= phase.peak_bytes - predicted.present(name) <= slack, (name, phase, predicted)
+    if setup == "fusedoff":
+        assert memory.check_memory_stats(predicted, opt.memory_stats()) == []
