@@ -65,6 +65,36 @@ void check_param_grad_step(at::TensorList params, at::TensorList grads, at::Tens
               "fusedoff: steps[", i, "] must be a one-element float32 tensor on ", device);
 }
 
+// What every launch description takes once its tensors are checked: the per-tensor pointers and
+// the device scalars GradScaler sets (read by the kernels on the device, never on the host).
+template <typename Launch, typename Ptrs>
+void attach_tensors(Launch& launch, const std::vector<Ptrs>& ptrs, const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  launch.tensors = ptrs.data();
+  launch.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+}
+
+// Runs a checked launch on the host kernels, with ATen's thread count.
+template <typename Launch>
+void run_on_cpu(Launch& launch, at::TensorList params, void (*kernel)(const Launch&)) {
+  if (launch.num_tensors == 0) return;
+  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the cpu kernel got tensors on ", params[0].device());
+  launch.num_threads = at::get_num_threads();
+  kernel(launch);
+}
+
+#if defined(FUSEDOFF_WITH_CUDA)
+// Runs a checked launch on the parameters' device, on its current stream.
+template <typename Launch, typename Kernel>
+void run_on_cuda(Launch& launch, at::TensorList params, Kernel&& kernel) {
+  if (launch.num_tensors == 0) return;
+  const c10::cuda::CUDAGuard device_guard(params[0].device());
+  launch.stream = c10::cuda::getCurrentCUDAStream().stream();
+  kernel(launch);
+}
+#endif
+
 // Validates a whole call before anything is written, then builds the launch description.
 AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
@@ -110,9 +140,7 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
                              steps[i].data_ptr<float>(),
                              p.numel()};
   }
-  launch.tensors = ptrs.data();
-  launch.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  attach_tensors(launch, ptrs, grad_scale, found_inf);
   return launch;
 }
 
@@ -128,20 +156,14 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
 void adam_step_cpu_op(FUSEDOFF_ADAM_ARGS) {
   std::vector<AdamTensorPtrs> ptrs;
   AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
-  if (launch.num_tensors == 0) return;
-  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the cpu kernel got tensors on ", params[0].device());
-  launch.num_threads = at::get_num_threads();
-  adam_step_cpu(launch);
+  run_on_cpu(launch, params, &adam_step_cpu);
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)
 void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
   std::vector<AdamTensorPtrs> ptrs;
   AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
-  if (launch.num_tensors == 0) return;
-  const c10::cuda::CUDAGuard device_guard(params[0].device());
-  launch.stream = c10::cuda::getCurrentCUDAStream().stream();
-  adam_step_cuda(launch);
+  run_on_cuda(launch, params, adam_step_cuda);
 }
 #endif
 
@@ -224,9 +246,7 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
                                p.numel(),
                                total_numels[i]};
   }
-  launch.tensors = ptrs.data();
-  launch.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  attach_tensors(launch, ptrs, grad_scale, found_inf);
   return launch;
 }
 
@@ -244,25 +264,20 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
 void apollo_step_cpu_op(FUSEDOFF_APOLLO_ARGS) {
   std::vector<ApolloTensorPtrs> ptrs;
   ApolloLaunch launch = describe_apollo_call(FUSEDOFF_APOLLO_FORWARD, ptrs);
-  if (launch.num_tensors == 0) return;
-  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the cpu kernel got tensors on ", params[0].device());
-  launch.num_threads = at::get_num_threads();
-  apollo_step_cpu(launch);
+  run_on_cpu(launch, params, &apollo_step_cpu);
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)
 void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
   std::vector<ApolloTensorPtrs> ptrs;
   ApolloLaunch launch = describe_apollo_call(FUSEDOFF_APOLLO_FORWARD, ptrs);
-  if (launch.num_tensors == 0) return;
-  const c10::cuda::CUDAGuard device_guard(params[0].device());
-  launch.stream = c10::cuda::getCurrentCUDAStream().stream();
-  // From the caching allocator, on the current stream: freed when the op returns, handed out again
-  // only to work queued after these kernels on that stream.
-  const at::Tensor workspace =
-      at::empty({apollo_cuda_workspace_bytes(launch)}, params[0].options().dtype(at::kByte));
-  launch.workspace = workspace.data_ptr();
-  apollo_step_cuda(launch);
+  run_on_cuda(launch, params, [&](ApolloLaunch& l) {
+    // From the caching allocator, on the current stream (set by run_on_cuda): freed when the op
+    // returns, handed out again only to work queued after these kernels on that stream.
+    const at::Tensor workspace = at::empty({apollo_cuda_workspace_bytes(l)}, params[0].options().dtype(at::kByte));
+    l.workspace = workspace.data_ptr();
+    apollo_step_cuda(l);
+  });
 }
 #endif
 
