@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-except ImportError:  # a torch built without distributed support: nothing is ever sharded
-    DTensor = None
+DTensor = None
+if dist.is_available():  # a torch built without distributed support has no DTensor: nothing is sharded
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except (ImportError, AttributeError):
+        DTensor = None
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -67,7 +69,7 @@ def state_for_param(value: Tensor, param: Tensor, key: str) -> Tensor:
     return value
 
 
-def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: "dist.ReduceOp") -> None:
+def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: str) -> None:
     """Reduces row t of `values` (this rank's partial results for tensor `params[t]`, a 2-D tensor
     or a column slice of one) over the ranks that hold the other shards of `params[t]`, in place.
     Rows of unsharded tensors are left alone.
@@ -75,6 +77,7 @@ def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: "dist.
     Rows are reduced in runs of neighbours sharing process groups (one collective per run: one in
     an FSDP bucket), through slices: no index tensor is built, so nothing waits for the host.
     Every rank must call this with the same parameters in the same order, as in an FSDP step.
+    `op` is "sum" or "max".
     """
     runs: list[tuple[tuple, int, int]] = []  # (groups, first row, end row)
     for t, param in enumerate(params):
@@ -89,6 +92,6 @@ def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: "dist.
         rows = values[first:end]
         part = rows.contiguous()  # collectives need dense tensors; a column slice is copied
         for group in groups:
-            dist.all_reduce(part, op=op, group=group)
+            dist.all_reduce(part, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
         if part.data_ptr() != rows.data_ptr():
             rows.copy_(part)

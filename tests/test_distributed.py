@@ -67,13 +67,14 @@ def batch(step: int, rank: int | None = None, outputs: int = 2) -> tuple[torch.T
     return x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
 
 
-def train(model, opt, steps: range, rank: int | None = None, clip: float | None = None, outputs: int = 2) -> list[float]:
+def train(model, opt, steps: range, rank: int | None = None, clip: float | None = None, outputs: int = 2,
+          norm_type: float = 2.0) -> list[float]:
     norms = []
     for step in steps:
         x, y = batch(step, rank, outputs)
         torch.nn.functional.mse_loss(model(x), y).backward()
         if clip is not None:
-            norms.append(float(opt.clip_grad_norm_(clip)))
+            norms.append(float(opt.clip_grad_norm_(clip, norm_type)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return norms
@@ -160,6 +161,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
             model = _fsdp_model(outputs=1)
             train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), rank, outputs=1)
             results["empty_shard"][name] = full_params(model)
+        model = _fsdp_model(outputs=1)  # the inf-norm of an empty shard's gradient: 0, not an error
+        results["empty_shard_inf_clip"] = train(model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS),
+                                                rank, clip=0.05, outputs=1, norm_type=float("inf"))
         for name in ("AdamW/stream", "Apollo/belief/decoupled/none"):
             model = _fsdp_model()
             opt = OPTIMIZERS[name](model.parameters())
@@ -208,6 +212,9 @@ def single():
         model = make_model(outputs=1)
         train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), outputs=1)
         empty[name] = full_params(model)
+    model = make_model(outputs=1)
+    empty["inf_clip"] = train(model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS), clip=0.05,
+                              outputs=1, norm_type=float("inf"))
     return results, clip, empty
 
 
@@ -284,6 +291,13 @@ def test_an_unsharded_checkpoint_is_refused_by_a_sharded_optimizer(runs):
         message, unchanged = runs[rank]["rejected"]
         assert "must be a DTensor" in message and unchanged
 
+
+
+def test_inf_norm_clip_with_an_empty_shard(runs, single):
+    # Rank 1's shard of the last bias is empty: its inf-norm is 0, and both ranks clip alike.
+    want = torch.tensor(single[2]["inf_clip"])
+    for rank in range(WORLD):
+        torch.testing.assert_close(torch.tensor(runs[rank]["empty_shard_inf_clip"]), want, rtol=1e-5, atol=0)
 
 # ---- one GPU: DTensor parameters on a CUDA mesh, states streamed from host memory -------------------
 def _cuda_worker(rank: int, port: int, folder: str) -> None:

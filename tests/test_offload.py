@@ -346,8 +346,8 @@ def test_cuda_failed_pinning_leaves_no_error_behind():
     from fusedoff.offload.store import _pin
 
     slab = torch.zeros(1024)
-    assert _pin(slab)
-    assert not _pin(slab)  # cudaErrorHostMemoryAlreadyRegistered
+    assert _pin(slab, torch.device("cuda"))
+    assert not _pin(slab, torch.device("cuda"))  # cudaErrorHostMemoryAlreadyRegistered
     x = torch.ones(8, device="cuda") * 2  # a kernel launch, checked by torch
     torch.cuda.synchronize()
     assert x.sum().item() == 16

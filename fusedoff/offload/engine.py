@@ -34,10 +34,16 @@ class OffloadedBucket:
     store: HostStateStore
     pipeline: StreamPipeline
     index: dict[int, int] = field(default_factory=dict)  # id(param) -> position in `params`
+    # Flat views of the parameters for the pass under way, made once per pass: a DTensor's local
+    # view costs ~30 us, and a pass asks for it once per piece (and per phase).
+    _flat_params: dict[int, Tensor] = field(default_factory=dict)
 
     def flat_param(self, t: int) -> Tensor:
         # A sharded (DTensor) parameter's states are its local shard's: the plan counts local elements.
-        return local_tensor(self.params[t].detach()).view(-1)
+        flat = self._flat_params.get(t)
+        if flat is None:
+            flat = self._flat_params[t] = local_tensor(self.params[t].detach()).view(-1)
+        return flat
 
     def calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor]) -> Iterator["ChunkCall"]:
         """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor has a
@@ -56,6 +62,7 @@ class OffloadedBucket:
 
     def run(self, *, read: Iterable[str], write: Iterable[str], compute: Callable[[Chunk, dict[str, Tensor]], None],
             device_inputs: Iterable[Tensor] = (), chunks: Iterable[Chunk] | None = None) -> None:
+        self._flat_params.clear()  # the parameters may have been replaced since the last pass
         self.pipeline.run(self.plan, self.store, read=read, write=write, compute=compute, device_inputs=device_inputs,
                           chunks=chunks)
 
@@ -88,7 +95,7 @@ class OffloadEngine:
         if pipeline is None:
             pipeline = self.pipelines[device] = StreamPipeline(device, self.chunk_size, self.num_buffers)
         plan = ChunkPlan([local_tensor(p).numel() for p in params], self.chunk_size)
-        store = HostStateStore(plan, names, pin=device.type == "cuda")
+        store = HostStateStore(plan, names, pin=device.type == "cuda", device=device)
         bucket = OffloadedBucket(params, names, plan, store, pipeline, {id(p): i for i, p in enumerate(params)})
         for name in names:
             for t, p in enumerate(params):

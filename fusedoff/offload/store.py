@@ -22,24 +22,38 @@ from fusedoff.offload.plan import Chunk, ChunkPlan
 DEFAULT_SLAB_BYTES = 256 * 2**20
 
 
-def _pin(tensor: Tensor) -> bool:
-    """Page-locks `tensor`'s memory in place (unlocked when it is freed); False if that fails."""
+# Slabs freed while a CUDA graph was being captured: unpinned at the next pinning (see _unpin).
+_deferred_unpins: list[tuple[int, int]] = []
+
+
+def _pin(tensor: Tensor, device: torch.device) -> bool:
+    """Page-locks `tensor`'s memory in place (unlocked when it is freed, after the copies queued on
+    `device` have finished); False if that fails."""
+    while _deferred_unpins:
+        _unpin(*_deferred_unpins.pop())
     cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
     if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
         _clear_cuda_error()
         return False
-    finalizer = weakref.finalize(tensor, _unpin, tensor.data_ptr())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    finalizer = weakref.finalize(tensor, _unpin, tensor.data_ptr(), index)
     finalizer.atexit = False  # the process is ending: nothing to give back, and CUDA may be gone
     return True
 
 
-def _unpin(pointer: int) -> None:
-    # Copies to or from the slab may still be queued on the pipeline's streams: let them finish
+def _unpin(pointer: int, device: int) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        # A synchronisation now would invalidate the user's graph capture (a garbage collection
+        # can free a store at any moment): unpin later, before the next pinning.
+        _deferred_unpins.append((pointer, device))
+        return
+    # Copies to or from the slab may still be queued on the pipeline's streams (of this store's
+    # device only: touching another device would create a CUDA context there): let them finish
     # before the memory is unlocked and handed back to the host allocator.
-    for device in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(device)
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    torch.cuda.synchronize(device)
+    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
+        _clear_cuda_error()
 
 
 def _clear_cuda_error() -> None:
@@ -56,17 +70,22 @@ def _clear_cuda_error() -> None:
 
 @functools.cache
 def _loaded_cudart() -> ctypes.CDLL | None:
+    """The libcudart this process loaded for torch: the error state is per library instance, and
+    another package (cupy, TensorRT) may have loaded a runtime of another CUDA major version."""
     try:
-        with open("/proc/self/maps") as maps:  # the instance torch uses: the error state is per instance
-            paths = [line.split()[-1] for line in maps if "libcudart.so" in line]
+        with open("/proc/self/maps") as maps:
+            paths = list(dict.fromkeys(line.split()[-1] for line in maps if "libcudart.so" in line))
     except OSError:
         return None
+    major = (torch.version.cuda or "").split(".")[0]
+    torch_runtime = [p for p in paths if p.endswith(f"libcudart.so.{major}") or f"libcudart.so.{major}." in p]
+    paths = torch_runtime or paths
     return ctypes.CDLL(paths[0]) if paths else None
 
 
 class HostStateStore:
     def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: bool,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES) -> None:
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, device: torch.device | None = None) -> None:
         self.plan = plan
         self.names = names
         self.slab_elements = max(1, slab_bytes // (plan.chunk_size * 4)) * plan.chunk_size  # whole chunks
@@ -77,7 +96,7 @@ class HostStateStore:
             slabs = []
             for begin in range(0, plan.total, slab_elements):
                 slab = torch.zeros(min(slab_elements, plan.total - begin), dtype=torch.float32)
-                if self.pinned and not _pin(slab):
+                if self.pinned and not _pin(slab, device or torch.device("cuda")):
                     warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
                                   "pageable memory (slower)", stacklevel=3)
                     self.pinned = False

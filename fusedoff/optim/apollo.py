@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fusedoff import ops
 from fusedoff.optim.base import FusedOptimizer, ParamBucket
@@ -13,8 +12,8 @@ from fusedoff.sharding import all_reduce_over_shards_, shard_groups
 # them: columns of `stats` (ApolloStat in csrc/include/fusedoff/apollo.h). The sums add up; the
 # belief bound max |g - m| is a max.
 _SHARD_REDUCTIONS = {
-    "reduce": ((slice(0, 3), dist.ReduceOp.SUM), (slice(3, 4), dist.ReduceOp.MAX)),
-    "moments": ((slice(4, 5), dist.ReduceOp.SUM),),
+    "reduce": ((slice(0, 3), "sum"), (slice(3, 4), "max")),
+    "moments": ((slice(4, 5), "sum"),),
 }
 
 

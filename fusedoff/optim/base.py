@@ -12,7 +12,6 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -87,8 +86,11 @@ class FusedOptimizer(Optimizer):
         for t, p in enumerate(params):
             by_device[p.grad.device].append(t)
         first = params[0].grad.device
-        norms: list[Tensor | None] = [None] * len(params)
-        for rows in by_device.values():
+        # An empty gradient (a rank's empty shard of a small FSDP2 parameter) has norm 0, the identity
+        # of both ways of combining norms; torch's inf-norm of nothing raises instead.
+        norms: list[Tensor] = [torch.zeros((), device=first)] * len(params)
+        for device, rows in by_device.items():
+            rows = [t for t in rows if local_tensor(params[t].grad).numel()]
             local_norms = torch._foreach_norm([local_tensor(params[t].grad) for t in rows], norm_type, dtype=torch.float32)
             for t, n in zip(rows, local_norms):
                 norms[t] = n.to(first, non_blocking=True)
@@ -98,7 +100,7 @@ class FusedOptimizer(Optimizer):
             # A sharded gradient's norm combines the shards' norms: max, or the p-th root of the
             # sum of p-th powers, over the ranks holding its shards.
             partial = stacked if inf else stacked.pow(norm_type)
-            all_reduce_over_shards_(partial, params, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            all_reduce_over_shards_(partial, params, "max" if inf else "sum")
             total = partial.max() if inf else partial.sum().pow(1.0 / norm_type)
         elif inf:
             total = stacked.max()
