@@ -7,7 +7,7 @@ the pure-PyTorch reference. All take the same arguments and update their inputs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -182,15 +182,23 @@ def apollo_phases(weight_decay: float, weight_decay_type: str) -> tuple[str, ...
 
 
 def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, *,
-                       backend: str, **hyper) -> None:
-    """A complete Apollo step over whole tensors: every phase, with fresh stats."""
+                       backend: str, total_numels: Sequence[int] | None = None,
+                       after_phase: Callable[[Tensor, str], None] | None = None, **hyper) -> None:
+    """A complete Apollo step over whole tensors: every phase, with fresh stats.
+
+    For shards of larger tensors, `total_numels` gives the whole tensors' sizes (default: the
+    tensors' own) and `after_phase(stats, phase)` completes the sums in `stats` (one row per tensor)
+    over the other shards before the next phase reads them.
+    """
     if len(params) == 0:
         return
-    stats = torch.zeros(len(params), APOLLO_NUM_STATS, dtype=torch.float64, device=params[0].device).unbind(0)
-    numels = [p.numel() for p in params]
+    stats = torch.zeros(len(params), APOLLO_NUM_STATS, dtype=torch.float64, device=params[0].device)
+    numels = [p.numel() for p in params] if total_numels is None else list(total_numels)
     for phase in apollo_phases(hyper["weight_decay"], hyper["weight_decay_type"]):
-        apollo_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, numels,
-                     phase=phase, backend=backend, **hyper)
+        apollo_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats.unbind(0),
+                     numels, phase=phase, backend=backend, **hyper)
+        if after_phase is not None:
+            after_phase(stats, phase)
 
 
 def _check_native_device(backend: str, params: Sequence[Tensor]) -> None:

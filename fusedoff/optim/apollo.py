@@ -86,16 +86,13 @@ class Apollo(FusedOptimizer):
         return ("exp_avg_grad", "approx_hessian", "update")
 
     def _fused_step(self, group: dict, bucket: ParamBucket) -> None:
-        hyper = self._hyper(group, bucket)
-        stats = torch.zeros(len(bucket.params), ops.APOLLO_NUM_STATS, dtype=torch.float64,
-                            device=bucket.params[0].device)
-        numels = [p.numel() for p in bucket.originals]  # whole tensors: every shard of a sharded one
-        for phase in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]):
-            ops.apollo_step_(bucket.params, bucket.grads, bucket.state_list("exp_avg_grad"),
-                             bucket.state_list("approx_hessian"), bucket.state_list("update"),
-                             bucket.master_params, bucket.steps, stats.unbind(0), numels,
-                             phase=phase, backend=bucket.backend, **hyper)
-            self._combine_shards(stats, bucket.originals, phase)
+        ops.apollo_whole_step_(
+            bucket.params, bucket.grads, bucket.state_list("exp_avg_grad"), bucket.state_list("approx_hessian"),
+            bucket.state_list("update"), bucket.master_params, bucket.steps, backend=bucket.backend,
+            total_numels=[p.numel() for p in bucket.originals],  # whole tensors: every shard of a sharded one
+            after_phase=lambda stats, phase: self._combine_shards(stats, bucket.originals, phase),
+            **self._hyper(group, bucket),
+        )
 
     @staticmethod
     def _combine_shards(stats: torch.Tensor, params, phase: str) -> None:
