@@ -89,10 +89,10 @@ class FusedOptimizer(Optimizer):
         # An empty gradient (a rank's empty shard of a small FSDP2 parameter) has norm 0, the identity
         # of both ways of combining norms; torch's inf-norm of nothing raises instead.
         norms: list[Tensor] = [torch.zeros((), device=first)] * len(params)
-        for device, rows in by_device.items():
+        for rows in by_device.values():
             rows = [t for t in rows if local_tensor(params[t].grad).numel()]
-            local_norms = torch._foreach_norm([local_tensor(params[t].grad) for t in rows], norm_type, dtype=torch.float32)
-            for t, n in zip(rows, local_norms):
+            local_grads = [local_tensor(params[t].grad) for t in rows]
+            for t, n in zip(rows, torch._foreach_norm(local_grads, norm_type, dtype=torch.float32)):
                 norms[t] = n.to(first, non_blocking=True)
         stacked = torch.stack(norms)
         inf = norm_type == float("inf")
