@@ -368,13 +368,17 @@ def _apollo_combine_kernel(
     sums = tl.zeros((ROWS, 4), tl.float64)
     maxs = tl.zeros((ROWS, 4), tl.float32)
     nans = tl.zeros((ROWS, 4), tl.int32)
-    for start in range(0, num_partials, ROWS):
+    # A while loop, not range(0, num_partials, ROWS): triton 3.6's interpreter turns a run-time
+    # bound into a Python int with int() of a 1-element array, which numpy 2.4 refuses.
+    start = 0
+    while start < num_partials:
         r = start + rows
         mask = (r[:, None] < num_partials) & (cols[None, :] < width)
         x = tl.load(partials_ptr + r[:, None] * width + cols[None, :], mask=mask, other=0.0)
         sums += x.to(tl.float64)
         nans += (x != x).to(tl.int32)
         maxs = tl.maximum(maxs, tl.where(x != x, 0.0, x))
+        start += ROWS
     total = tl.sum(sums, axis=0)
     max_abs_y = tl.where(tl.sum(nans, axis=0) > 0, _NAN, tl.max(maxs, axis=0)).to(tl.float64)
 
