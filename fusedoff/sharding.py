@@ -40,15 +40,17 @@ def shard_groups(t: Tensor) -> tuple:
 
 
 def like_param(local: Tensor, param: Tensor) -> Tensor:
-    """`local` (a state of `param`'s local shard, anywhere, e.g. in host memory) as a tensor shaped
-    like `param`: a DTensor with `param`'s mesh and placements for a DTensor parameter.
+    """`local` (a state of `param`'s local shard, anywhere, e.g. in host memory; flat, or shaped
+    already) as a tensor shaped like `param`: a DTensor with `param`'s mesh and placements for a
+    DTensor parameter.
 
     Built directly from the spec, not with DTensor.from_local, which would move a host-resident
     state to the mesh's device (a streamed optimizer's checkpoint must not touch the GPU).
     """
     if not is_dtensor(param):
-        return local.view(param.shape)
-    local = local.view(param.to_local().shape)
+        return local if local.shape == param.shape else local.view(param.shape)
+    shape = param.to_local().shape
+    local = local if local.shape == shape else local.view(shape)
     spec = DTensorSpec(param.device_mesh, param.placements,
                        tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)

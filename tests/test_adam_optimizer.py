@@ -166,47 +166,61 @@ def test_bad_input_is_rejected_before_anything_changes():
     assert opt.state_dict()["state"][0]["step"].item() == 1.0
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_non_contiguous_parameter_is_rejected_before_anything_changes(backend):
-    # The fused kernels walk memory in order: a transposed parameter must be refused before its
-    # step count (or any other state) moves.
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_a_parameter_with_gaps_is_rejected_before_anything_changes(backend):
+    # The kernels walk a tensor's memory in order: a strided slice (gaps between its elements) is
+    # refused before its step count (or any other state) moves.
     good = torch.nn.Parameter(torch.randn(5))
-    odd = torch.nn.Parameter(torch.randn(4, 3).t())
-    opt = fusedoff.AdamW([good, odd], lr=1e-2, backend=backend, offload="none")
+    gappy = torch.nn.Parameter(torch.randn(4, 6)[:, ::2])
+    opt = fusedoff.AdamW([good, gappy], lr=1e-2, backend=backend, offload="none")
     good.grad = torch.randn(5)
     opt.step()  # only `good` has a gradient: fine
-    snapshot = copy.deepcopy(opt.state_dict()), good.detach().clone(), odd.detach().clone()
-    good.grad, odd.grad = torch.randn(5), torch.randn(3, 4)
-    with pytest.raises(ValueError, match="contiguous"):
+    snapshot = copy.deepcopy(opt.state_dict()), good.detach().clone(), gappy.detach().clone()
+    good.grad, gappy.grad = torch.randn(5), torch.randn(4, 3)
+    with pytest.raises(ValueError, match="dense"):
         opt.step()
-    assert torch.equal(good, snapshot[1]) and torch.equal(odd, snapshot[2])
+    assert torch.equal(good, snapshot[1]) and torch.equal(gappy, snapshot[2])
     after = opt.state_dict()["state"]
     assert after.keys() == snapshot[0]["state"].keys()
     for key, value in snapshot[0]["state"][0].items():
         assert torch.equal(after[0][key], value), key
 
 
-def test_streaming_refuses_a_non_contiguous_parameter_when_it_is_added():
-    # A streamed bucket holds every parameter of its group, so the check cannot wait for a gradient.
-    with pytest.raises(ValueError, match="offload='stream' needs contiguous"):
-        fusedoff.AdamW([torch.nn.Parameter(torch.randn(4, 3).t())], offload="stream")
-    opt = fusedoff.AdamW([torch.nn.Parameter(torch.randn(3))], offload="stream")
-    with pytest.raises(ValueError, match="offload='stream' needs contiguous"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 3).t())]})
-    assert len(opt.param_groups) == 1
+def _dense_layouts():
+    """A transposed matrix, a channels_last conv weight, and a contiguous neighbour."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(4, 3, generator=gen).t(),
+            torch.randn(8, 3, 3, 3, generator=gen).to(memory_format=torch.channels_last),
+            torch.randn(7, generator=gen)]
 
 
-def test_non_contiguous_parameter_with_the_torch_backend_matches_torch_optim():
-    odd = torch.nn.Parameter(torch.randn(4, 3).t())
-    ref = torch.nn.Parameter(odd.detach().clone())
-    opt = fusedoff.AdamW([odd], lr=1e-2, backend="torch", offload="none")
-    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
-    for _ in range(3):
-        g = torch.randn(3, 4)
-        odd.grad, ref.grad = g.clone(), g.clone()
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("placement", [dict(offload="none"), dict(offload="stream", chunk_size=32),
+                                       dict(offload="stream", chunk_size=32, device_budget=4 * 2 * 12)],
+                         ids=["resident", "streamed", "mixed"])
+def test_dense_parameters_of_any_layout_step_as_their_contiguous_copies(backend, placement):
+    """Non-contiguous but dense parameters (torch updates them) step exactly as the same values laid
+    out contiguously (elementwise math: bit for bit), with states of the parameter's own strides,
+    resident or streamed; gradients may come in another layout."""
+    ours = [torch.nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in _dense_layouts()]
+    plain = [torch.nn.Parameter(t.contiguous()) for t in _dense_layouts()]
+    opt = fusedoff.AdamW(ours, lr=1e-2, weight_decay=0.1, backend=backend, **placement)
+    plain_opt = fusedoff.AdamW(plain, lr=1e-2, weight_decay=0.1, backend=backend, offload="none")
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        for a, b in zip(ours, plain):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad = g.clone() if step % 2 else torch.empty_like(a).copy_(g)  # its strides, or contiguous
+            b.grad = g.clone()
         opt.step()
-        ref_opt.step()
-    torch.testing.assert_close(odd, ref, rtol=1e-6, atol=1e-7)
+        plain_opt.step()
+    for a, b in zip(ours, plain):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = opt.state[a][key]
+            assert state.shape == a.shape and state.stride() == a.stride()
+            assert torch.equal(state, plain_opt.state[b][key])
+    assert [t.stride() for t in ours] == [t.stride() for t in _dense_layouts()]
 
 
 @pytest.mark.parametrize(

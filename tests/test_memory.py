@@ -62,7 +62,8 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, dtype):
     stats = opt.memory_stats()
     assert got.host_total == stats["host_bytes"]
     assert memory.check_memory_stats(got, stats) == []
-    slabs = [(name, slab) for b in opt._engine.buckets.values() for name, ss in b.store.slabs.items() for slab in ss]
+    slabs = [(name, slab) for layout in opt._engine.layouts.values() for name, ss in layout.store.slabs.items()
+             for slab in ss]
     assert got.host[memory.HOST_MASTERS] == nbytes(slab for name, slab in slabs if name == "master_param")
     assert got.host[memory.HOST_STATES] == nbytes(slab for name, slab in slabs if name != "master_param")
     assert got.host[memory.HOST_MASTERS] > 0 if dtype == torch.bfloat16 else got.host[memory.HOST_MASTERS] == 0

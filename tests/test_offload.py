@@ -28,32 +28,49 @@ def test_chunk_plan_knows_chunks_of_whole_tensors():
     assert whole[0] and whole[-1] and not any(whole[1:-1])  # both kinds, as the Apollo test relies on
 
 
-def test_chunk_plan_covers_every_element_once_aligned():
+@pytest.mark.parametrize("segment", [None, 200], ids=["one-segment", "segments"])
+def test_chunk_plan_covers_every_element_once_aligned(segment):
     numels = [0, 1, 7, 165, 300, 16, 4097]
-    plan = ChunkPlan(numels, 64)
+    plan = ChunkPlan(numels, 64, segment)
     seen = [torch.zeros(n, dtype=torch.int32) for n in numels]
     for chunk in plan.chunks:
-        assert chunk.numel <= 64 and chunk.flat_begin % 64 == 0
+        assert chunk.numel <= 64 and chunk.begin % 64 == 0
+        assert chunk.begin + chunk.numel <= plan.segment_sizes[chunk.segment]
         for piece in chunk.pieces:
-            assert (plan.offsets[piece.tensor] + piece.tensor_offset) % ALIGN_ELEMENTS == 0 or piece.tensor_offset
-            assert piece.chunk_offset % ALIGN_ELEMENTS == 0
+            assert plan.segment_of[piece.tensor] == chunk.segment  # no chunk spans two segments
+            assert plan.offsets[piece.tensor] % ALIGN_ELEMENTS == 0 and piece.chunk_offset % ALIGN_ELEMENTS == 0
+            assert chunk.begin + piece.chunk_offset == plan.offsets[piece.tensor] + piece.tensor_offset
             seen[piece.tensor][piece.tensor_offset : piece.tensor_offset + piece.length] += 1
     assert all(bool((s == 1).all()) for s in seen)
     assert any(len(c.pieces) > 1 for c in plan.chunks) and len(plan.chunks) > 10
+    if segment is not None:  # segments of at most 200 elements, or one tensor larger than that
+        assert len(plan.segment_sizes) > 2
+        for index, size in enumerate(plan.segment_sizes):
+            members = [t for t, s in enumerate(plan.segment_of) if s == index and numels[t]]
+            assert size <= 208 or len(members) == 1
     with pytest.raises(ValueError, match="multiple of 16"):
         ChunkPlan(numels, 100)
 
 
-def test_host_store_round_trips_tensors_across_slabs():
-    numels = [7, 1000, 300]
-    plan = ChunkPlan(numels, 64)
-    store = HostStateStore(plan, ("a", "b"), pin=False, slab_bytes=3 * 64 * 4)  # 3 chunks per slab
+def test_host_store_hands_out_views_of_one_slab_per_tensor():
+    numels = [7, 1000, 300, 0, 64]
+    plan = ChunkPlan(numels, 64, 3 * 64)  # slabs of at most 3 chunks: the 1000-element tensor has its own
+    store = HostStateStore(plan, ("a", "b"), pin=False)
     values = [torch.randn(n) for n in numels]
     for t, v in enumerate(values):
-        store.write("a", t, v)
+        store.view("a", t).copy_(v)
     for t, v in enumerate(values):
-        assert torch.equal(store.read("a", t), v)
-        assert not store.read("b", t).any()
+        view = store.view("a", t)
+        assert torch.equal(view, v) and not store.view("b", t).any()
+        slab = store.slabs["a"][plan.segment_of[t]]
+        assert view.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()  # a view, not a copy
+    # A chunk is a view of the same slab: writing through it is seen by the tensors' views.
+    for chunk in plan.chunks:
+        store.chunk("b", chunk).fill_(chunk.index + 1)
+    for chunk in plan.chunks:
+        for piece in chunk.pieces:
+            got = store.view("b", piece.tensor)[piece.tensor_offset : piece.tensor_offset + piece.length]
+            assert bool((got == chunk.index + 1).all())
     # The store holds what the layout needs (padding to 16 elements per tensor) and nothing more.
     assert store.nbytes == 2 * plan.total * 4 <= 2 * 4 * (sum(numels) + ALIGN_ELEMENTS * len(numels))
 
@@ -167,20 +184,30 @@ def test_streamed_grad_scaler_overflow_changes_nothing():
 def test_memory_stats_report_the_host_store():
     params, opt = run(lambda ps: fusedoff.AdamW(ps, offload="stream", chunk_size=64, amsgrad=True), torch.float32, 1)
     stats = opt.memory_stats()
-    padded = ChunkPlan([p.numel() for p in params], 64).total
-    assert stats["host_bytes"] == 3 * 4 * padded  # exp_avg, exp_avg_sq, max_exp_avg_sq
-    assert stats["host_pinned"] is False and stats["device_bytes"] == 0  # CPU parameters: nothing on a GPU
-    assert set(stats) >= {"host_bytes", "host_pinned", "device_bytes", "device_peak_bytes"}
+    # By hand: SHAPES hold 1, 1, 7, 165, 300, 0 and 16 elements, each padded to a multiple of 16.
+    padded = 16 + 16 + 16 + 176 + 304 + 0 + 16
+    assert stats["host_bytes"] == stats["streamed_bytes"] == 3 * 4 * padded  # exp_avg, exp_avg_sq, max_exp_avg_sq
+    assert stats["host_pinned"] is False  # CPU parameters: nothing to pin for
+    # On the parameters' device (here the host): two buffer sets of three 64-element fp32 chunks.
+    assert stats["resident_bytes"] == 0 and stats["device_bytes"] == 2 * 3 * 64 * 4
+    assert stats["device_budget"] == 0 and stats["chunk_size"] == 64 and stats["num_buffers"] == 2
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(offload="disk"), "offload"),
-    (dict(offload="stream", chunk_size=100), "chunk_size"),
+    (dict(offload="stream", chunk_size=0), "chunk_size"),
     (dict(offload="stream", num_buffers=1), "num_buffers"),
+    (dict(offload="none", device_budget=2**20), "device_budget"),
+    (dict(offload="stream", device_budget=-1), "device_budget"),
 ])
 def test_invalid_offload_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fusedoff.AdamW(make_params(), **kwargs)
+
+
+def test_chunk_size_is_rounded_up_to_the_alignment():
+    _, opt = run(lambda ps: fusedoff.AdamW(ps, offload="stream", chunk_size=1000), torch.float32, 1)
+    assert opt.memory_stats()["chunk_size"] == 1008  # the next multiple of 16
 
 
 # ---- the real streaming path (GPU suite) --------------------------------------------------------

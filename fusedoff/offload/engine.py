@@ -1,149 +1,336 @@
-"""OffloadEngine: host-resident states for the parameters of an optimizer, streamed by chunks.
+"""OffloadEngine: where each parameter's states live, and one step path for every placement.
 
 A bucket is the parameters of one param group that share a device, dtype and master-weight
-setting, fixed when the bucket is first used; its fp32 states live in a HostStateStore laid out by
-a ChunkPlan. Every bucket of a device shares that device's StreamPipeline, so device memory for
-the optimizer is the pipeline's buffers however many buckets and parameters there are.
+setting, fixed when the bucket first steps. Its `StateLayout` places each tensor's states
+(see placement.py): resident ones are device tensors, streamed ones live in a HostStateStore laid
+out by a ChunkPlan and move through the device's StreamPipeline, whose buffers every bucket of the
+device shares. Either way the states are the entries of ``opt.state[p]``: device tensors, or
+views of the host store (never copies), so torch's machinery sees one source of truth.
+
+The engine follows what ``opt.state`` holds (`StateLayout.adopt`): a missing state starts afresh,
+an assigned tensor is taken by value into its place, an in-place edit is the state itself.
+
+A step runs an optimizer's `FusedUpdate` (update.py): resident tensors whole, in one call per
+phase on the current stream; streamed chunks through the pipeline. Chunks holding only whole,
+unsharded tensors run every phase while resident in their buffers (one copy in, one out); the
+pieces of tensors spanning chunks, and sharded tensors, take one pass per phase, so that each
+phase sees the previous one's whole-tensor results.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from fusedoff.offload.pipeline import StreamPipeline
-from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, Piece
+from fusedoff.offload.placement import Budget
+from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size
 from fusedoff.offload.store import HostStateStore
-from fusedoff.sharding import local_tensor
+from fusedoff.offload.update import FusedUpdate, Phase, UpdateArgs
+from fusedoff.sharding import like_param, local_tensor, shard_groups
+from fusedoff.tensor_layout import flat_view
 
 # NOTE: 4M elements: with AdamW + master weights (3 fp32 states) one buffer set is 48 MiB and the
 # default two sets 96 MiB, whatever the model size; large enough that each copy runs at full PCIe
 # speed (copies of a few MiB already do).
 DEFAULT_CHUNK_SIZE = 4 * 2**20
+# Host slabs hold at most this many bytes (a larger tensor gets a slab of its own): pinning one
+# huge region fails on many systems.
+DEFAULT_SEGMENT_BYTES = 256 * 2**20
+
+# initial(name, param): a state's starting value (None: zeros).
+Initial = Callable[[str, Tensor], "Tensor | None"]
 
 
 @dataclass
-class OffloadedBucket:
+class StateLayout:
+    """Where the states of one bucket's tensors live: resident on the device or streamed."""
+
     params: list[Tensor]
     names: tuple[str, ...]
+    resident: list[bool]
     plan: ChunkPlan
-    store: HostStateStore
-    pipeline: StreamPipeline
-    index: dict[int, int] = field(default_factory=dict)  # id(param) -> position in `params`
-    # Flat views of the parameters for the pass under way, made once per pass: a DTensor's local
+    store: HostStateStore | None
+    pipeline: StreamPipeline | None
+    initial: Initial
+    index: dict[int, int]  # id(param) -> position in `params`
+    sharded: list[bool]
+    # The object last placed in opt.state[p][name] for each tensor (None: none yet).
+    placed: dict[str, list[Tensor | None]] = field(default_factory=dict)
+    # Flat views of the parameters for the step under way, made once per step: a DTensor's local
     # view costs ~30 us, and a pass asks for it once per piece (and per phase).
     _flat_params: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def adopt(self, t: int, state: dict) -> None:
+        """Makes `state` (the dict ``opt.state[params[t]]``) hold this layout's tensors for every
+        state name, keeping the values it holds: fresh where missing, by value where replaced."""
+        param = self.params[t]
+        placed = self.placed
+        for name in self.names:
+            value = state.get(name)
+            if value is not None and value is placed[name][t]:
+                continue
+            if self.resident[t]:
+                state[name] = placed[name][t] = self._resident_state(name, param, value)
+                continue
+            flat = self.store.view(name, t)
+            if value is None:
+                start = self.initial(name, param)
+                flat.copy_(local_tensor(start).reshape(-1)) if start is not None else flat.zero_()
+            else:
+                local = local_tensor(value)
+                if local.numel() != flat.numel():
+                    raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has {flat.numel()}")
+                flat.copy_(local.reshape(-1))
+            local_param = local_tensor(param)  # the state has the parameter's strides (its memory order)
+            state[name] = placed[name][t] = like_param(flat.as_strided(local_param.shape, local_param.stride()), param)
+
+    def _resident_state(self, name: str, param: Tensor, value: Tensor | None) -> Tensor:
+        if value is None:
+            start = self.initial(name, param)
+            if start is None:  # the parameter's strides: states are walked in its memory order
+                return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            value = start
+        else:
+            start = None
+        local, local_param = local_tensor(value), local_tensor(param)
+        if local.numel() != local_param.numel():
+            raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has {local_param.numel()}")
+        if (start is None and local.dtype == torch.float32 and local.device == param.device
+                and local.shape == local_param.shape and local.stride() == local_param.stride()):
+            return value  # an assigned tensor fit to be the state is the state, as in torch
+        # A starting value (which may alias the parameter) or a tensor of another dtype, device or
+        # layout: a copy in place of it, with the parameter's strides.
+        copy = torch.empty_like(local_param, dtype=torch.float32)
+        copy.copy_(local.reshape(local_param.shape))
+        return like_param(copy, param)
 
     def flat_param(self, t: int) -> Tensor:
         # A sharded (DTensor) parameter's states are its local shard's: the plan counts local elements.
         flat = self._flat_params.get(t)
         if flat is None:
-            flat = self._flat_params[t] = local_tensor(self.params[t].detach()).view(-1)
+            flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
         return flat
 
-    def calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor]) -> Iterator["ChunkCall"]:
-        """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor has a
-        gradient in `grads` (tensor position -> gradient), with each piece's views."""
-        by_dtype: dict[torch.dtype, list[Piece]] = defaultdict(list)
+    def chunk_calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor],
+                    steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
+        """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor steps."""
+        by_dtype: dict[torch.dtype, list] = defaultdict(list)
         for piece in chunk.pieces:
             if piece.tensor in grads:
                 by_dtype[grads[piece.tensor].dtype].append(piece)
+        calls = []
         for pieces in by_dtype.values():
-            yield ChunkCall(
-                pieces=pieces,
+            calls.append(UpdateArgs(
+                tensors=[p.tensor for p in pieces],
                 params=[_slice(self.flat_param(p.tensor), p.tensor_offset, p.length) for p in pieces],
-                grads=[_slice(grads[p.tensor].view(-1), p.tensor_offset, p.length) for p in pieces],
+                grads=[_slice(grads[p.tensor], p.tensor_offset, p.length) for p in pieces],
                 states={name: [_slice(buf, p.chunk_offset, p.length) for p in pieces] for name, buf in buffers.items()},
-            )
+                steps=[steps[p.tensor] for p in pieces],
+                stats=[stats[p.tensor] for p in pieces] if stats is not None else [],
+                total_numels=[self.params[p.tensor].numel() for p in pieces],
+            ))
+        return calls
 
-    def run(self, *, read: Iterable[str], write: Iterable[str], compute: Callable[[Chunk, dict[str, Tensor]], None],
-            device_inputs: Iterable[Tensor] = (), chunks: Iterable[Chunk] | None = None) -> None:
-        self._flat_params.clear()  # the parameters may have been replaced since the last pass
-        self.pipeline.run(self.plan, self.store, read=read, write=write, compute=compute, device_inputs=device_inputs,
-                          chunks=chunks)
+    def resident_calls(self, tensors: list[int], states: list[dict], grads: dict[int, Tensor],
+                       steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
+        """The fused calls for whole resident tensors (`states[i]` is ``opt.state`` of `tensors[i]`),
+        as flat views in memory order, like the gradients in `grads`."""
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        for i, t in enumerate(tensors):
+            by_dtype[grads[t].dtype].append(i)
+        return [UpdateArgs(
+            tensors=[tensors[i] for i in rows],
+            params=[self.flat_param(tensors[i]) for i in rows],
+            grads=[grads[tensors[i]] for i in rows],
+            states={name: [flat_view(local_tensor(states[i][name])) for i in rows] for name in self.names},
+            steps=[steps[tensors[i]] for i in rows],
+            stats=[stats[tensors[i]] for i in rows] if stats is not None else [],
+            total_numels=[self.params[tensors[i]].numel() for i in rows],
+        ) for rows in by_dtype.values()]
 
 
 class OffloadEngine:
-    def __init__(self, chunk_size: int | None, num_buffers: int) -> None:
-        chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
-        if chunk_size < ALIGN_ELEMENTS or chunk_size % ALIGN_ELEMENTS:
-            raise ValueError(f"chunk_size must be a positive multiple of {ALIGN_ELEMENTS}, got {chunk_size}")
-        if int(num_buffers) != num_buffers or num_buffers < 2:
+    def __init__(self, mode: str, chunk_size: int | None, num_buffers: int, device_budget: int | None) -> None:
+        self.mode = mode
+        self.chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else aligned_chunk_size(chunk_size)
+        if isinstance(num_buffers, bool) or int(num_buffers) != num_buffers or num_buffers < 2:
             raise ValueError(f"num_buffers must be an integer >= 2, got {num_buffers}")
-        self.chunk_size = chunk_size
         self.num_buffers = int(num_buffers)
-        self.buckets: dict[tuple, OffloadedBucket] = {}
+        self.device_budget = device_budget  # as given: None, or bytes per device
+        self.budget = Budget()
+        self.layouts: dict[tuple, StateLayout] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
+        self._host_pending = False
 
-    def bucket(self, key: tuple, params: list[Tensor], names: tuple[str, ...],
-               initial: Callable[[str, Tensor], Tensor | None]) -> OffloadedBucket:
-        """The bucket for `key`, created on first use with states `names`; `initial(name, param)`
-        gives a state's starting value (None: zeros)."""
-        bucket = self.buckets.get(key)
-        if bucket is not None:
-            return bucket
-        for p in params:
-            if not local_tensor(p).is_contiguous():
-                raise ValueError("offload='stream' needs contiguous parameters")
+    # ---- placement ---------------------------------------------------------------------------
+    def needs_decision(self, device: torch.device) -> bool:
+        """True when the budget for `device` is decided from its memory at this first step."""
+        return (self.mode == "auto" and self.device_budget is None and device.type == "cuda"
+                and not self.budget.decided(device))
+
+    def decide(self, device: torch.device, budget: int | None) -> None:
+        self.budget.set(device, budget)
+
+    def buffer_bytes_for(self, num_states: int) -> int:
+        return self.num_buffers * num_states * self.chunk_size * 4
+
+    def reset(self) -> None:
+        """Forgets every layout and undecided budget: the next step places states afresh, taking
+        the values ``opt.state`` holds then."""
+        self.wait_host()
+        self.layouts.clear()
+        self.budget = Budget()
+
+    def layout(self, key: tuple, params: list[Tensor], names: tuple[str, ...], initial: Initial) -> StateLayout:
+        """The layout of bucket `key` (its members `params`, states `names`), placed on first use."""
+        layout = self.layouts.get(key)
+        if layout is not None:
+            return layout
         device = params[0].device
-        pipeline = self.pipelines.get(device)
-        if pipeline is None:
-            pipeline = self.pipelines[device] = StreamPipeline(device, self.chunk_size, self.num_buffers)
-        plan = ChunkPlan([local_tensor(p).numel() for p in params], self.chunk_size)
-        store = HostStateStore(plan, names, pin=device.type == "cuda", device=device)
-        bucket = OffloadedBucket(params, names, plan, store, pipeline, {id(p): i for i, p in enumerate(params)})
-        for name in names:
-            for t, p in enumerate(params):
-                value = initial(name, p)
-                if value is not None:
-                    store.write(name, t, value.detach().to("cpu", torch.float32))
-        self.buckets[key] = bucket
+        if not self.budget.decided(device):
+            self.budget.set(device, self._initial_budget(device))
+        sizes = [local_tensor(p).numel() * 4 * len(names) for p in params]
+        resident = self.budget.place(device, sizes)
+        numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
+        plan = ChunkPlan(numels, self.chunk_size, max(self.chunk_size, DEFAULT_SEGMENT_BYTES // 4))
+        store = pipeline = None
+        if not all(resident):
+            pipeline = self.pipelines.get(device)
+            if pipeline is None:
+                pipeline = self.pipelines[device] = StreamPipeline(device, self.chunk_size, self.num_buffers)
+            store = HostStateStore(plan, names, pin=device.type == "cuda", device=device)
+        layout = StateLayout(params, names, resident, plan, store, pipeline, initial,
+                             {id(p): i for i, p in enumerate(params)}, [bool(shard_groups(p)) for p in params],
+                             {name: [None] * len(params) for name in names})
+        self.layouts[key] = layout
         self._device_peak = max(self._device_peak, self.device_bytes)
-        return bucket
+        return layout
 
-    def find(self, param: Tensor) -> tuple[OffloadedBucket, int] | None:
-        for bucket in self.buckets.values():
-            t = bucket.index.get(id(param))
+    def _initial_budget(self, device: torch.device) -> int | None:
+        if self.mode == "none" or (self.mode == "auto" and device.type != "cuda"):
+            return None  # auto never streams CPU parameters' states: they are in host memory already
+        if self.device_budget is not None:
+            return self.device_budget
+        if self.mode == "stream":
+            return 0
+        return None  # (not reached: auto on CUDA without a budget is decided at the first step)
+
+    def find(self, param: Tensor) -> tuple[StateLayout, int] | None:
+        for layout in self.layouts.values():
+            t = layout.index.get(id(param))
             if t is not None:
-                return bucket, t
+                return layout, t
         return None
 
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, layout: StateLayout, update: FusedUpdate, states: dict[int, dict], grads: dict[int, Tensor],
+             steps: dict[int, Tensor]) -> None:
+        """One step of `update` over the tensors of `layout` that have a gradient in `grads`
+        (position -> gradient); `states` maps them to their ``opt.state`` dicts, adopted already."""
+        layout._flat_params.clear()  # the parameters may have been replaced since the last step
+        stats = None
+        if update.stats_columns:
+            stats = torch.zeros(len(layout.params), update.stats_columns, dtype=torch.float64, device=layout.device)
+        stepping = sorted(grads)
+        resident = [t for t in stepping if layout.resident[t]]
+        chunks = []
+        if layout.store is not None:
+            chunks = [c for c in layout.plan.chunks if any(p.tensor in grads for p in c.pieces)]
+        whole_pass, spanning = chunks, []
+        if len(update.phases) > 1:
+            whole_pass = [c for c in chunks if layout.plan.whole_tensors_only(c)
+                          and not any(layout.sharded[p.tensor] for p in c.pieces)]
+            spanning = [c for c in chunks if c not in whole_pass]
+        inputs = [*grads.values(), *(() if stats is None else (stats,))]
+        if whole_pass:
+            self._stream(layout, update, update.phases, whole_pass, grads, steps, stats, inputs)
+        resident_calls = layout.resident_calls(resident, [states[t] for t in resident], grads, steps, stats)
+        for phase in update.phases:
+            if spanning:
+                self._stream(layout, update, (phase,), spanning, grads, steps, stats, inputs)
+            for args in resident_calls:  # on the current stream, beside the pipeline's work
+                update.call(phase, args)
+            if chunks:
+                layout.pipeline.join()
+            if update.after_phase is not None:
+                update.after_phase(phase, stats, layout.params)
+        if chunks:
+            self._host_pending = True
+
+    def _stream(self, layout: StateLayout, update: FusedUpdate, phases: tuple[Phase, ...], chunks: list[Chunk],
+                grads, steps, stats, inputs) -> None:
+        if len(phases) == len(update.phases):
+            read, write = update.reads, update.writes
+        else:
+            (phase,) = phases
+            read, write = phase.reads, phase.writes
+
+        def compute(chunk: Chunk, buffers: dict[str, Tensor]) -> None:
+            for phase in phases:
+                for args in layout.chunk_calls(chunk, buffers, grads, steps, stats):
+                    update.call(phase, args)
+
+        layout.pipeline.run(layout.plan, layout.store, read=read, write=write, compute=compute, device_inputs=inputs,
+                            chunks=chunks)
+
     def wait_host(self) -> None:
+        """Blocks until every copy back to host memory has finished (before host state is read)."""
+        if not self._host_pending:
+            return
         for pipeline in self.pipelines.values():
             pipeline.wait_host()
+        self._host_pending = False
+
+    # ---- memory ----------------------------------------------------------------------------------
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(p.buffer_bytes for p in self.pipelines.values())
 
     @property
     def device_bytes(self) -> int:
-        return sum(p.buffer_bytes for p in self.pipelines.values() if p.cuda)
+        return self.buffer_bytes + self.resident_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        total = 0
+        for layout in self.layouts.values():
+            for name in layout.names:
+                for t, obj in enumerate(layout.placed[name]):
+                    if obj is not None and layout.resident[t]:
+                        total += local_tensor(obj).numel() * 4
+        return total
 
     def memory_stats(self) -> dict:
         self._device_peak = max(self._device_peak, self.device_bytes)
-        stores = [b.store for b in self.buckets.values()]
+        stores = [layout.store for layout in self.layouts.values() if layout.store is not None]
+        limits = list(self.budget.limits.values())
         return {
             "host_bytes": sum(s.nbytes for s in stores),
             "host_pinned": bool(stores) and all(s.pinned for s in stores),
+            "resident_bytes": self.resident_bytes,
+            "streamed_bytes": sum(s.nbytes for s in stores),
             "device_bytes": self.device_bytes,
             "device_peak_bytes": self._device_peak,
             "chunk_size": self.chunk_size,
             "num_buffers": self.num_buffers,
+            # The budget in force: None before it is decided, and where there is no limit
+            # (offload="none", CPU parameters under "auto"); a dict by device for several devices.
+            "device_budget": limits[0] if len(limits) == 1 else {str(d): b for d, b in self.budget.limits.items()} or None,
         }
-
-
-@dataclass
-class ChunkCall:
-    """The arguments of one fused call over pieces of a chunk: device views of the parameters and
-    gradients, and views of the chunk buffers for each state."""
-
-    pieces: list[Piece]
-    params: list[Tensor]
-    grads: list[Tensor]
-    states: dict[str, list[Tensor]]
 
 
 def _slice(flat: Tensor, offset: int, length: int) -> Tensor:
     return flat[offset : offset + length]
+
+
+__all__ = ["ALIGN_ELEMENTS", "DEFAULT_CHUNK_SIZE", "OffloadEngine", "StateLayout"]

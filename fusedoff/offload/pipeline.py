@@ -4,7 +4,9 @@ For each chunk of a ChunkPlan: copy the states it reads into a free buffer set (
 run the caller's compute on the buffers (compute stream), copy the states it writes back to host
 memory (copy-out stream). Streams are ordered by events only, so chunk i+1's copy-in overlaps
 chunk i's compute and chunk i-1's copy-out, and a buffer set is refilled only after its copy-out
-has finished. `run` returns with the work enqueued; `wait_host` blocks until host state is final.
+has finished. `run` returns with the work enqueued; `join` makes the current stream wait for the
+computed chunks (before anything reads the parameters); `wait_host` blocks until host state is
+final.
 
 With CPU parameters the same bookkeeping runs with host buffers and plain copies, no streams: the
 chunking, buffer rotation and piece views are exercised exactly as on a GPU.
@@ -90,8 +92,13 @@ class StreamPipeline:
                 for name in write:
                     store.chunk(name, chunk).copy_(buffers[name], non_blocking=True)
                 self._free[slot] = self.copy_out.record_event()
-        main.wait_stream(self.compute)  # the parameters are updated before anything reads them
         self._last_copy_out[id(store)] = self.copy_out.record_event()
+
+    def join(self) -> None:
+        """The current stream waits for every computed chunk: the parameters (and the stats the
+        compute accumulated) are final before anything queued after this reads them."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.compute)
 
     def wait_host(self) -> None:
         """Blocks until every copy back to host memory has finished (before reading host state)."""

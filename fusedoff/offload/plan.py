@@ -1,10 +1,16 @@
-"""ChunkPlan: how the tensors of one bucket are laid out in flat host state and cut into chunks.
+"""ChunkPlan: how the streamed tensors of one bucket are laid out in host memory and cut into chunks.
 
-Tensors are placed one after another in a flat index space, each starting on a multiple of
-`ALIGN_ELEMENTS` (so every view the kernels get is 64-byte aligned and their vector paths apply),
-and the space is cut into chunks of `chunk_size` elements (a multiple of `ALIGN_ELEMENTS`). A chunk
-holds pieces of one or more tensors; a tensor may span several chunks. Each state of the bucket is
-stored with this same layout, so one chunk of one state is one contiguous copy.
+Tensors are placed one after another, each starting on a multiple of `ALIGN_ELEMENTS` (so every
+view the kernels get is 64-byte aligned and their vector paths apply). The placed tensors are
+grouped into segments of at most `segment_elements` (a tensor larger than that has a segment of its
+own): a segment becomes one host allocation (a slab) per state, so no tensor spans two slabs and
+every tensor's state is a view of one slab. Each segment is cut into chunks of `chunk_size`
+elements (a multiple of `ALIGN_ELEMENTS`); a chunk holds pieces of one or more tensors of its
+segment, a tensor may span several chunks, and no chunk spans two segments, so one chunk of one
+state is one contiguous copy.
+
+A tensor with no elements in the plan (numel 0: empty, or kept resident by the placement) takes no
+space and has no pieces.
 """
 
 from __future__ import annotations
@@ -27,45 +33,61 @@ class Piece:
 @dataclass(frozen=True)
 class Chunk:
     index: int
-    flat_begin: int
-    flat_end: int  # exclusive; the chunk's extent in the flat space, padding included
+    segment: int
+    begin: int  # offset of the chunk in its segment
+    numel: int  # padding included
     pieces: tuple[Piece, ...]
-
-    @property
-    def numel(self) -> int:
-        return self.flat_end - self.flat_begin
 
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def aligned_chunk_size(chunk_size: int) -> int:
+    """`chunk_size` rounded up to the alignment every chunk keeps."""
+    chunk_size = int(chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
+    return round_up(chunk_size, ALIGN_ELEMENTS)
+
+
 class ChunkPlan:
-    def __init__(self, numels: list[int], chunk_size: int) -> None:
+    def __init__(self, numels: list[int], chunk_size: int, segment_elements: int | None = None) -> None:
         if chunk_size <= 0 or chunk_size % ALIGN_ELEMENTS:
             raise ValueError(f"chunk_size must be a positive multiple of {ALIGN_ELEMENTS}, got {chunk_size}")
-        self.numels = list(numels)
+        self.numels = [int(n) for n in numels]
         self.chunk_size = chunk_size
-        self.offsets: list[int] = []
-        flat = 0
+        limit = segment_elements if segment_elements is not None else float("inf")
+        self.segment_of: list[int] = []  # per tensor: its segment
+        self.offsets: list[int] = []  # per tensor: its offset in its segment
+        self.segment_sizes: list[int] = []  # elements per segment, padding included
+        used = 0
         for n in self.numels:
-            self.offsets.append(flat)
-            flat = round_up(flat + n, ALIGN_ELEMENTS)
-        self.total = flat
+            if n and used and used + n > limit:  # start a new segment; a large tensor gets one of its own
+                self.segment_sizes.append(used)
+                used = 0
+            self.segment_of.append(len(self.segment_sizes))
+            self.offsets.append(used)
+            used = round_up(used + n, ALIGN_ELEMENTS)
+        if used or not self.segment_sizes:
+            self.segment_sizes.append(used)
+        self.total = sum(self.segment_sizes)
         self.chunks: list[Chunk] = []
-        first = 0  # the first tensor that may still reach into the current chunk (one sweep overall)
-        for index, begin in enumerate(range(0, self.total, chunk_size)):
-            end = min(begin + chunk_size, self.total)
-            while first < len(self.numels) and self.offsets[first] + self.numels[first] <= begin:
-                first += 1
-            pieces = []
-            t = first
-            while t < len(self.numels) and self.offsets[t] < end:
-                lo, hi = max(begin, self.offsets[t]), min(end, self.offsets[t] + self.numels[t])
-                if lo < hi:
-                    pieces.append(Piece(t, lo - self.offsets[t], lo - begin, hi - lo))
-                t += 1
-            self.chunks.append(Chunk(index, begin, end, tuple(pieces)))
+        for segment, size in enumerate(self.segment_sizes):
+            members = [t for t, s in enumerate(self.segment_of) if s == segment and self.numels[t]]
+            first = 0  # the first member that may still reach into the current chunk (one sweep overall)
+            for begin in range(0, size, chunk_size):
+                end = min(begin + chunk_size, size)
+                while first < len(members) and self.offsets[members[first]] + self.numels[members[first]] <= begin:
+                    first += 1
+                pieces = []
+                for t in members[first:]:
+                    if self.offsets[t] >= end:
+                        break
+                    lo, hi = max(begin, self.offsets[t]), min(end, self.offsets[t] + self.numels[t])
+                    if lo < hi:
+                        pieces.append(Piece(t, lo - self.offsets[t], lo - begin, hi - lo))
+                self.chunks.append(Chunk(len(self.chunks), segment, begin, end - begin, tuple(pieces)))
 
     def whole_tensors_only(self, chunk: Chunk) -> bool:
         """True when every tensor with a piece in `chunk` lies entirely inside it."""

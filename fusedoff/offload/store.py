@@ -1,8 +1,9 @@
 """HostStateStore: one bucket's fp32 states (and master weights) in host memory, chunk-contiguous.
 
-Each state is a sequence of slabs; a slab holds whole chunks of the ChunkPlan, so one chunk of one
-state is one contiguous region and moves with one copy. Slabs are bounded in size because pinning
-one huge region fails on many systems. Pinning registers ordinary host allocations with
+Each state is a sequence of slabs, one per segment of the ChunkPlan: a slab holds whole tensors
+and whole chunks, so every tensor's state is a view of one slab and one chunk of one state moves
+with one copy. Slabs are bounded in size (see `DEFAULT_SEGMENT_BYTES` in the engine) because
+pinning one huge region fails on many systems. Pinning registers ordinary host allocations with
 cudaHostRegister rather than taking them from torch's caching pinned allocator, which rounds each
 request up to a power of two: the store holds the bytes it needs and no more.
 """
@@ -19,7 +20,6 @@ from torch import Tensor
 
 from fusedoff.offload.plan import Chunk, ChunkPlan
 
-DEFAULT_SLAB_BYTES = 256 * 2**20
 
 
 # Slabs freed while a CUDA graph was being captured: unpinned at the next pinning (see _unpin).
@@ -84,19 +84,23 @@ def _loaded_cudart() -> ctypes.CDLL | None:
 
 
 class HostStateStore:
-    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: bool,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES, device: torch.device | None = None) -> None:
+    """The fp32 states of one bucket's streamed tensors: one slab per state and plan segment.
+
+    `view(name, t)` is tensor `t`'s state `name`: a flat view of its slab (never a copy), which the
+    optimizer hands out as ``opt.state[p][name]``; `chunk(name, chunk)` the contiguous region one
+    copy moves.
+    """
+
+    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: bool, device: torch.device | None = None) -> None:
         self.plan = plan
         self.names = names
-        self.slab_elements = max(1, slab_bytes // (plan.chunk_size * 4)) * plan.chunk_size  # whole chunks
         self.pinned = pin
         self.slabs: dict[str, list[Tensor]] = {}
-        slab_elements = self.slab_elements
         for name in names:
             slabs = []
-            for begin in range(0, plan.total, slab_elements):
-                slab = torch.zeros(min(slab_elements, plan.total - begin), dtype=torch.float32)
-                if self.pinned and not _pin(slab, device or torch.device("cuda")):
+            for size in plan.segment_sizes:
+                slab = torch.zeros(size, dtype=torch.float32)
+                if self.pinned and size and not _pin(slab, device or torch.device("cuda")):
                     warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
                                   "pageable memory (slower)", stacklevel=3)
                     self.pinned = False
@@ -109,31 +113,9 @@ class HostStateStore:
 
     def chunk(self, name: str, chunk: Chunk) -> Tensor:
         """The host storage of `chunk` for state `name` (a contiguous 1-D view)."""
-        slab, offset = divmod(chunk.flat_begin, self.slab_elements)
-        return self.slabs[name][slab][offset : offset + chunk.numel]
+        return self.slabs[name][chunk.segment][chunk.begin : chunk.begin + chunk.numel]
 
-    def _tensor_pieces(self, name: str, tensor: int):
+    def view(self, name: str, tensor: int) -> Tensor:
+        """Tensor `tensor` of state `name`, flat: a view of its slab."""
         begin = self.plan.offsets[tensor]
-        numel = self.plan.numels[tensor]
-        position = begin
-        while position < begin + numel:
-            slab, offset = divmod(position, self.slab_elements)
-            length = min(begin + numel - position, self.slab_elements - offset)
-            yield position - begin, self.slabs[name][slab][offset : offset + length]
-            position += length
-
-    def read(self, name: str, tensor: int) -> Tensor:
-        """Tensor `tensor` of state `name`, flat: a view when it lies in one slab, else a copy."""
-        pieces = list(self._tensor_pieces(name, tensor))
-        if len(pieces) == 1:
-            return pieces[0][1]
-        if not pieces:
-            return torch.zeros(0, dtype=torch.float32)
-        return torch.cat([p for _, p in pieces])
-
-    def write(self, name: str, tensor: int, value: Tensor) -> None:
-        flat = value.reshape(-1)
-        if flat.numel() != self.plan.numels[tensor]:
-            raise ValueError(f"{name}: {flat.numel()} elements for a tensor of {self.plan.numels[tensor]}")
-        for offset, piece in self._tensor_pieces(name, tensor):
-            piece.copy_(flat[offset : offset + piece.numel()])
+        return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + self.plan.numels[tensor]]

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from fusedoff import ops
-from fusedoff.optim.base import FusedOptimizer, ParamBucket
+from fusedoff.offload.update import FusedUpdate, Phase, UpdateArgs
+from fusedoff.optim.base import FusedOptimizer
 
 
 class AdamW(FusedOptimizer):
@@ -27,13 +28,19 @@ class AdamW(FusedOptimizer):
         master_weights: keep fp32 master weights for fp16/bf16 parameters (the kernel updates the
             master and writes the rounded value to the parameter). None means True for fp16/bf16
             parameters. States are always fp32; fp16/bf16 gradients are upcast inside the kernel.
-        offload: "none" (states on the parameters' device), "stream" (states and master weights in
-            host memory, streamed to the parameters' device chunk by chunk through `num_buffers`
-            buffers of `chunk_size` elements per state), "auto" ("stream" for CUDA parameters,
-            "none" for CPU ones).
-        chunk_size: elements per chunk (a multiple of 16; default 4M: 96 MiB of buffers for
-            AdamW with master weights and two buffers).
+        offload: where states (and master weights) live. "none": on the parameters' device.
+            "stream": in host memory, streamed to the parameters' device chunk by chunk through
+            `num_buffers` buffers of `chunk_size` elements per state, except what fits in
+            `device_budget` (default 0). "auto" (default): for CUDA parameters, resident what fits
+            in `device_budget` and streamed the rest, the budget decided at the first step from
+            the device's memory when not given (see ``memory_stats()["device_budget"]``); for CPU
+            parameters, states in place (they are in host memory already).
+        chunk_size: elements per chunk (rounded up to a multiple of 16; default 4M: 96 MiB of
+            buffers for AdamW with master weights and two buffers).
         num_buffers: chunk buffer sets, >= 2 (double buffering).
+        device_budget: bytes of state the optimizer may keep on the parameters' device besides
+            its buffers (per device), filled in param-group order; the rest streams. Not with
+            offload="none". ``set_device_budget()`` changes it later.
 
     ``state_dict()`` uses torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``),
     plus ``master_param`` when master weights are kept. Honours ``torch.amp.GradScaler`` like
@@ -58,6 +65,7 @@ class AdamW(FusedOptimizer):
         offload: str = "auto",
         chunk_size: int | None = None,
         num_buffers: int = 2,
+        device_budget: int | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr as a Tensor must have exactly one element")
@@ -73,54 +81,24 @@ class AdamW(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
-                         chunk_size=chunk_size, num_buffers=num_buffers)
+                         chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
-    def _fused_step(self, group: dict, bucket: ParamBucket) -> None:
-        self._adam_call(
-            group,
-            bucket,
-            bucket.params,
-            bucket.grads,
-            {name: bucket.state_list(name) for name in self._state_names(group)},
-            bucket.master_params,
-            bucket.steps,
-        )
-
-    def _streamed_step(self, group: dict, bucket: ParamBucket, offloaded, grads) -> None:
-        steps = {t: self.state[offloaded.params[t]]["step"] for t in grads}
-
-        def compute(chunk, buffers):
-            for call in offloaded.calls(chunk, buffers, grads):
-                self._adam_call(group, bucket, call.params, call.grads, call.states,
-                                call.states.get("master_param", []), [steps[p.tensor] for p in call.pieces])
-
-        offloaded.run(read=offloaded.names, write=offloaded.names, compute=compute, device_inputs=grads.values())
-
-    def _adam_call(self, group, bucket, params, grads, states, master_params, steps) -> None:
+    def _fused_update(self, group, backend, grad_scale, found_inf, names) -> FusedUpdate:
         beta1, beta2 = group["betas"]
-        ops.adam_step_(
-            params,
-            grads,
-            states["exp_avg"],
-            states["exp_avg_sq"],
-            states["max_exp_avg_sq"] if group["amsgrad"] else [],
-            master_params,
-            steps,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=self._decoupled_weight_decay,
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            grad_scale=bucket.grad_scale,
-            found_inf=bucket.found_inf,
-            backend=bucket.backend,
-        )
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], decoupled_weight_decay=self._decoupled_weight_decay,
+                     amsgrad=group["amsgrad"], maximize=group["maximize"], grad_scale=grad_scale,
+                     found_inf=found_inf, backend=backend)
+
+        def call(phase: Phase, args: UpdateArgs) -> None:
+            states = args.states
+            ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
+                           states.get("max_exp_avg_sq", []), states.get("master_param", []), args.steps, **hyper)
+
+        return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
 
 
 class Adam(AdamW):

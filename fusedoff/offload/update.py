@@ -1,0 +1,61 @@
+"""What an optimizer class tells the engine about its step: the fused call(s) and the states they touch.
+
+An optimizer declares, for one bucket and one step, a `FusedUpdate`: its phases in order (Adam
+one, Apollo a reduction then an apply), the states each phase reads and writes, the per-tensor
+float64 statistics the phases accumulate (whole-tensor sums), and the call that runs one phase
+on lists of tensors (`UpdateArgs`). Where the states live, and whether the call sees whole
+tensors on the device or pieces of chunk buffers, is the engine's business: the call is the same.
+
+Phase semantics: phase k+1 of a tensor may read what phase k accumulated over the whole tensor
+(its row of `stats`), so between two phases every piece of a tensor must have finished the earlier
+one; `after_phase(phase, stats, params)` runs then, with the bucket's parameters, one per row of
+`stats` (a sharded tensor's partial sums are completed there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    reads: tuple[str, ...]  # states the phase reads (parameters and gradients are always available)
+    writes: tuple[str, ...]  # states the phase writes
+
+
+@dataclass
+class UpdateArgs:
+    """The tensors of one fused call: whole tensors, or pieces of them (ranges of their elements).
+
+    `tensors` are the bucket positions of the pieces; `total_numels` the whole tensors' sizes
+    (every shard's, for a sharded tensor); `stats` one row per piece (a tensor's pieces share it).
+    """
+
+    tensors: list[int]
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: dict[str, list[Tensor]]
+    steps: list[Tensor]
+    stats: list[Tensor]
+    total_numels: list[int]
+
+
+@dataclass
+class FusedUpdate:
+    phases: tuple[Phase, ...]
+    call: Callable[[Phase, UpdateArgs], None]
+    stats_columns: int = 0
+    after_phase: Callable[[Phase, Tensor, list[Tensor]], None] | None = None
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every state some phase reads or writes (a pass running all phases moves these in)."""
+        return tuple(dict.fromkeys(n for p in self.phases for n in p.reads + p.writes))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for p in self.phases for n in p.writes))

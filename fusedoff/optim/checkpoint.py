@@ -1,0 +1,58 @@
+"""fusedoff's own work on ``load_state_dict``, as hooks placed so that a user's hooks see complete dicts.
+
+torch's loader casts floating-point states to the parameter's dtype, which would round the states
+of bf16/fp16 parameters, and moves them to the parameter's device, which for streamed states would
+materialise them on the GPU. So the pre-hook (kept after every user pre-hook) validates the dict and
+sets the state tensors aside, and the post-hook (first among the post-hooks) puts them in
+``opt.state`` once torch has loaded the rest, and has the engine place them afresh.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusedoff.sharding import state_for_param
+
+
+def set_states_aside(optimizer, state_dict: dict) -> dict:
+    """Load pre-hook: validates, then keeps the state tensors out of torch's loader."""
+    states = state_dict["state"]
+    tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
+    saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, param in zip(saved_ids, params):  # check everything before changing anything
+        for key, value in tensors.get(pid, {}).items():
+            if key == "step":
+                continue
+            value = torch.as_tensor(value)
+            if value.numel() != param.numel():
+                raise ValueError(f"state {key!r} of parameter {pid} has {value.numel()} elements "
+                                 f"but the parameter has {param.numel()}")
+            if not value.is_floating_point():
+                raise ValueError(f"state {key!r} of parameter {pid} is a {value.dtype} tensor; "
+                                 "fusedoff keeps floating-point states")
+            state_for_param(value, param, key)  # raises if sharded unlike the parameter
+    optimizer._states_set_aside = (saved_ids, tensors)
+    others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
+    return {**state_dict, "state": others}
+
+
+def place_states(optimizer) -> None:
+    """Load post-hook: the set-aside states into ``opt.state`` (``step`` as an fp32 tensor on the
+    parameter's device), then placed by the engine: streamed ones go into host memory by value."""
+    saved_ids, tensors = optimizer._states_set_aside
+    del optimizer._states_set_aside
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, param in zip(saved_ids, params):
+        loaded = tensors.get(pid)
+        if not loaded:
+            continue
+        state = dict.setdefault(optimizer.state, param, {})
+        for key, value in loaded.items():
+            value = torch.as_tensor(value)  # the reference Apollo keeps `step` as an int
+            if key == "step":
+                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+            else:
+                state[key] = value
+    optimizer._place_loaded_states()
