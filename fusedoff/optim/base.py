@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
 from fusedoff.offload import OffloadEngine
-from fusedoff.offload.placement import auto_budget, device_memory
+from fusedoff.offload import placement
 from fusedoff.offload.update import FusedUpdate
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.state import OptimizerState, param_state
@@ -187,8 +187,9 @@ class FusedOptimizer(Optimizer):
                         count = len(self._bucket_names(group, self._uses_master(group, p)))
                         needed += local_tensor(p).numel() * 4 * count
                         most_states = max(most_states, count)
-            total, peak = device_memory(device)
-            self._engine.decide(device, auto_budget(total, peak, needed, self._engine.buffer_bytes_for(most_states)))
+            total, peak = placement.device_memory(device)
+            self._engine.decide(device, placement.auto_budget(total, peak, needed,
+                                                              self._engine.buffer_bytes_for(most_states)))
 
     def _place_loaded_states(self) -> None:
         """After load_state_dict: every state placed afresh (budgets of 'auto' decided again at the
