@@ -99,9 +99,6 @@ def _load() -> tuple[types.ModuleType | None, NativeExtensionUnavailable | None]
             module = _jit_build(reason)
         except NativeExtensionUnavailable as exc:
             return None, exc
-    from fusedoff import ops
-
-    ops.register_fake_kernels()
     return module, None
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE
-from fusedoff.offload.plan import ALIGN_ELEMENTS, round_up
+from fusedoff.offload.plan import ALIGN_ELEMENTS, aligned_chunk_size, round_up
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -103,12 +103,15 @@ def _bytes(params: Iterable[Tensor], dtype: torch.dtype | None = None) -> int:
 def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", optimizer: str = "adamw",
             amsgrad: bool = False, grad_dtype: torch.dtype | None = None, master_weights: bool | None = None,
             offload: str = "auto", chunk_size: int | None = None, num_buffers: int = 2,
-            device: torch.device | str | None = None, label: str | None = None) -> MemoryPrediction:
+            device_budget: int | None = None, device: torch.device | str | None = None,
+            label: str | None = None) -> MemoryPrediction:
     """Predicted bytes by component for training `params` with `optimizer` in `setup`.
 
     setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
-        `chunk_size`, `num_buffers` as passed to the optimizer; offload "auto" streams CUDA
-        parameters), ``"plain"`` (torch's optimizer or the eager reference on the parameters as they
+        `chunk_size`, `num_buffers`, `device_budget` as passed to the optimizer; the states that
+        fit in the budget stay on the device, in the optimizer's order, the rest stream; offload
+        "auto" on CUDA with no budget predicts a model whose states fit: pass the budget the
+        optimizer decided, ``opt.memory_stats()["device_budget"]``, for its split), ``"plain"`` (torch's optimizer or the eager reference on the parameters as they
         are: states on the device in the parameters' dtype) or ``"upcast"`` (fp32 master copies,
         fp32 gradient copies and fp32 states, all on the device).
     grad_dtype: the gradients' dtype; None means each parameter's own.
@@ -146,42 +149,64 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         on_device[MASTERS] = _bytes(params, fp32)
         on_device[FP32_GRADS] = _bytes(params, fp32)
     else:
-        with_master = [p for p in params if p.dtype in LOW_PRECISION and master_weights in (None, True)]
-        streams = offload == "stream" or (offload == "auto" and device_type == "cuda")
-        if not streams:
-            on_device[STATES] = num_states * _bytes(params, fp32)
-            on_device[MASTERS] = _bytes(with_master, fp32)
-        elif params:
-            # The host store lays each tensor out from a multiple of ALIGN_ELEMENTS (ChunkPlan),
-            # and the device keeps one fp32 chunk per moved state in each buffer set.
-            def aligned_fp32(ps: list[Tensor]) -> int:
-                return sum(round_up(p.numel(), ALIGN_ELEMENTS) for p in ps) * 4
-
-            host[HOST_STATES] = num_states * aligned_fp32(params)
-            host[HOST_MASTERS] = aligned_fp32(with_master)
-            slots = num_states + (1 if with_master else 0)
-            chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
-            on_device[BUFFERS] = num_buffers * slots * chunk * 4
+        streams = _predict_fusedoff(params, on_device, host, num_states, master_weights, offload, device_type,
+                                    chunk_size, num_buffers, device_budget)
     if label is None:
         label = {"fusedoff": "fusedoff " + ("stream" if streams else "none"), "plain": "plain",
                  "upcast": "fp32 upcast"}[setup]
     return MemoryPrediction(label, device_type, on_device, host)
 
 
+def _predict_fusedoff(params, on_device, host, num_states, master_weights, offload, device_type, chunk_size,
+                      num_buffers, device_budget) -> bool:
+    """Fills `on_device` and `host` as fusedoff places states (fusedoff/offload/placement.py):
+    buckets of one dtype and master setting in the order they first appear, each tensor's states
+    and master resident while they fit in the budget. True if anything streams."""
+    budget = None  # no limit
+    if offload == "stream" or (offload == "auto" and device_type == "cuda" and device_budget is not None):
+        budget = device_budget or 0
+    buckets: dict[tuple, list[Tensor]] = {}
+    for p in params:
+        master = p.dtype in LOW_PRECISION and master_weights in (None, True)
+        buckets.setdefault((p.dtype, master), []).append(p)
+    slots = 0
+    for (_, master), members in buckets.items():
+        count = num_states + int(master)
+        for p in members:
+            size = p.numel() * 4 * count
+            if budget is None or size <= budget:
+                budget = None if budget is None else budget - size
+                on_device[STATES] += num_states * p.numel() * 4
+                on_device[MASTERS] += int(master) * p.numel() * 4
+            elif p.numel():
+                # The host store lays each tensor out from a multiple of ALIGN_ELEMENTS (ChunkPlan).
+                padded = round_up(p.numel(), ALIGN_ELEMENTS) * 4
+                host[HOST_STATES] += num_states * padded
+                host[HOST_MASTERS] += int(master) * padded
+                slots = max(slots, count)
+    if slots:  # one fp32 chunk per moved state in each buffer set
+        chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else aligned_chunk_size(chunk_size)
+        on_device[BUFFERS] = num_buffers * slots * chunk * 4
+    return bool(slots)
+
+
 def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
     """Where a fusedoff optimizer's own ``memory_stats()`` disagrees with `prediction` (empty: none).
 
-    ``host_bytes`` must equal the predicted host bytes; on CUDA ``device_bytes`` (what the
-    optimizer holds on the GPU: resident states and masters, or its streaming buffers) must equal
-    the predicted states, masters and buffers. Call it after the first step (states are lazy).
+    ``host_bytes`` must equal the predicted host bytes, ``resident_bytes`` the predicted states and
+    masters on the device, and ``device_bytes`` (what the optimizer holds on the parameters'
+    device: resident states and masters, and its streaming buffers) those plus the buffers. Call it
+    after the first step (states are lazy).
     """
     problems = []
     if stats["host_bytes"] != prediction.host_total:
         problems.append(f"host_bytes {stats['host_bytes']} != predicted {prediction.host_total}")
-    if prediction.device_type == "cuda":
-        expected = sum(prediction.device[name] for name in (STATES, MASTERS, BUFFERS))
-        if stats["device_bytes"] != expected:
-            problems.append(f"device_bytes {stats['device_bytes']} != predicted {expected}")
+    resident = prediction.device[STATES] + prediction.device[MASTERS]
+    if stats["resident_bytes"] != resident:
+        problems.append(f"resident_bytes {stats['resident_bytes']} != predicted {resident}")
+    expected = resident + prediction.device[BUFFERS]
+    if stats["device_bytes"] != expected:
+        problems.append(f"device_bytes {stats['device_bytes']} != predicted {expected}")
     return problems
 
 

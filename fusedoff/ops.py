@@ -2,7 +2,8 @@
 
 ``cpu`` and ``cuda`` run ``torch.ops.fusedoff.adam_step_`` (C++/CUDA, registered through
 torch.library in csrc/ops.cpp); ``triton`` runs fusedoff/kernels/triton_adam.py; ``torch`` runs
-the pure-PyTorch reference. All take the same arguments and update their inputs in place.
+the pure-PyTorch reference. All take the same arguments and update their inputs in place. The native
+ops return nothing, so the fake kernels torch derives from their schemas trace them (opcheck passes).
 """
 
 from __future__ import annotations
@@ -12,20 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from fusedoff._ext import load_extension
+
 BACKENDS = ("cpu", "cuda", "triton", "torch")
-
-
-def register_fake_kernels() -> None:
-    """Fake (meta) kernels so the native ops trace under torch.compile; called once after loading."""
-
-    @torch.library.register_fake("fusedoff::adam_step_")
-    def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, **kwargs):
-        return None
-
-    @torch.library.register_fake("fusedoff::apollo_step_")
-    def _apollo_step_fake(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats,
-                          total_numels, **kwargs):
-        return None
 
 
 def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
@@ -85,8 +75,6 @@ def adam_step_(
     )
     if backend in ("cpu", "cuda"):
         _check_native_device(backend, params)
-        from fusedoff._ext import load_extension
-
         load_extension()
         torch.ops.fusedoff.adam_step_(*(list(t) for t in tensors), **hyper)
     elif backend == "triton":
@@ -161,8 +149,6 @@ def apollo_step_(
     numels = [int(n) for n in total_numels]
     if backend in ("cpu", "cuda"):
         _check_native_device(backend, params)
-        from fusedoff._ext import load_extension
-
         load_extension()
         torch.ops.fusedoff.apollo_step_(*(list(t) for t in tensors), numels, **hyper)
     elif backend == "triton":

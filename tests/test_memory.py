@@ -78,7 +78,29 @@ def test_check_memory_stats_reports_a_difference():
     opt.step()
     amsgrad = memory.predict(params, offload="stream", chunk_size=256, amsgrad=True)  # one state too many
     problems = memory.check_memory_stats(amsgrad, opt.memory_stats())
-    assert len(problems) == 1 and problems[0].startswith("host_bytes")
+    # A third state in the host store and in every buffer set.
+    assert [p.split()[0] for p in problems] == ["host_bytes", "device_bytes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["adamw", "apollo"])
+def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(kind, dtype):
+    params = make_params(dtype)
+    per_element = (3 if kind == "apollo" else 2) * 4 + (4 if dtype == torch.bfloat16 else 0)
+    budget = per_element * params[0].numel() + 100  # the first tensor fits, then only what fits the rest
+    options = dict(offload="stream", chunk_size=64, device_budget=budget)
+    opt = fusedoff.Apollo(params, lr=0.01, **options) if kind == "apollo" else fusedoff.AdamW(params, **options)
+    opt.step()
+    got = memory.predict(params, optimizer=kind, **options)
+    stats = opt.memory_stats()
+    assert memory.check_memory_stats(got, stats) == []
+    assert 0 < stats["resident_bytes"] <= budget and stats["streamed_bytes"] > 0
+    # Resident states are tensors of opt.state on the parameters' device, counted by hand here.
+    by_hand = sum(v.numel() * 4 for p in params for k, v in opt.state[p].items()
+                  if k != "step" and not any(v.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+                                             for layout in opt._engine.layouts.values() if layout.store is not None
+                                             for slabs in layout.store.slabs.values() for slab in slabs))
+    assert stats["resident_bytes"] == by_hand
 
 
 @pytest.mark.parametrize("kind", ["adamw", "apollo"])
@@ -109,7 +131,7 @@ def test_predictions_need_only_shapes_and_dtypes():
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    got = memory.predict(model, device="cuda")  # offload "auto" streams CUDA parameters
+    got = memory.predict(model, offload="stream", device="cuda")
     assert got.device[memory.PARAMETERS] == got.device[memory.GRADIENTS] == 2 * n
     assert got.device[memory.BUFFERS] == 2 * 3 * fusedoff.offload.engine.DEFAULT_CHUNK_SIZE * 4
     assert got.host[memory.HOST_STATES] == 2 * 4 * n and got.host[memory.HOST_MASTERS] == 4 * n  # sizes align
