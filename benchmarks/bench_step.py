@@ -7,7 +7,9 @@ Configurations (all on one device: ``--device cuda``, or ``cpu`` with the cpu ba
   precision   fp32 (fp32 params, grads, states); bf16_master (bf16 params and grads, fp32 master + states)
   fusedoff    offload='none' (states beside the params) and offload='stream' (states in host memory,
               streamed through ``num_buffers`` chunk buffers; on CPU parameters, the same engine loops
-              back through host buffers), one row per ``--chunk-sizes`` entry
+              back through host buffers), one row per ``--chunk-sizes`` entry; AdamW on a GPU (and in
+              the dry run) also offload='auto' (resident what fits, decided at the first step) and
+              'stream' with half the state bytes as its device_budget (``fusedoff_stream_budget50``)
   peers       AdamW: torch.optim.AdamW(fused=True) resident; on a GPU also the naive hand-written offload
               (capped at ``--naive-max``), DeepSpeed's ZeRO-Offload pattern, torchao's CPUOffloadOptimizer,
               bitsandbytes' PagedAdamW. Apollo on a GPU: the eager reference. Each optional (peers.py).
@@ -132,29 +134,49 @@ class Contender:
 
 
 def fusedoff_contender(optimizer: str, offload: str, workload: Workload, chunk_size: int, num_buffers: int,
-                       default_chunk: int) -> Contender:
+                       default_chunk: int, resident_fraction: float = 0.0) -> Contender:
+    """fusedoff in one offload mode; with offload='stream' and `resident_fraction` > 0, a device budget of that
+    fraction of the state bytes (the first tensors stay resident, the rest stream)."""
     device = workload.device
     backend = device.type
     cls = fusedoff.AdamW if optimizer == "adamw" else fusedoff.Apollo
     hyper = peers.ADAM_HYPER if optimizer == "adamw" else peers.APOLLO_HYPER
     kwargs = dict(offload=offload, backend=backend)
+    states = (2 if optimizer == "adamw" else 3) + int(workload.precision.master)
+    streamed_numels = workload.numels
     if offload == "stream":
         kwargs |= dict(chunk_size=chunk_size, num_buffers=num_buffers)
+    if resident_fraction:
+        budget = int(resident_fraction * states * 4 * workload.numel)
+        kwargs["device_budget"] = budget
+        streamed_numels, left = [], budget  # the placement's greedy order (fusedoff/offload/placement.py)
+        for n in workload.numels:
+            if n * 4 * states <= left:
+                left -= n * 4 * states
+            else:
+                streamed_numels.append(n)
 
     def build(w: Workload) -> peers.Built:
         opt = cls(w.params, **hyper, **kwargs)
         # offload='stream' on a GPU: copies and kernels on the engine's streams; time with synchronised clocks.
-        return peers.Built(opt.step, events=not (offload == "stream" and device.type == "cuda"),
+        return peers.Built(opt.step, events=not (offload != "none" and device.type == "cuda"),
                            memory_stats=opt.memory_stats)
 
-    suffix = "" if offload == "none" or chunk_size == default_chunk else f"@{timing.format_size(chunk_size)}"
-    states = (2 if optimizer == "adamw" else 3) + int(workload.precision.master)
+    suffix = "" if offload != "stream" or chunk_size == default_chunk else f"@{timing.format_size(chunk_size)}"
+    if resident_fraction:
+        suffix += f"_budget{round(resident_fraction * 100)}"
     what = f"fusedoff.{cls.__name__}(offload='{offload}', backend='{backend}'"
+    if resident_fraction:
+        what += f", device_budget={resident_fraction:.0%} of the states"
     what += f", chunk_size={timing.format_size(chunk_size)}, num_buffers={num_buffers})" if offload == "stream" else ")"
+    streams = offload == "stream" and bool(streamed_numels)
+    link = traffic.fusedoff_traffic(optimizer, workload.precision, "stream" if streams else "none", streamed_numels,
+                                    chunk_size, device.type)
+    memory = traffic.fusedoff_traffic(optimizer, workload.precision, "none", workload.numels, chunk_size, device.type)
     return Contender(
         f"fusedoff_{offload}{suffix}", "fusedoff", offload, what,
-        traffic.fusedoff_traffic(optimizer, workload.precision, offload, workload.numels, chunk_size, device.type),
-        build, buffer_bytes=num_buffers * chunk_size * 4 * states if offload == "stream" else None)
+        dataclasses.replace(link, memory=memory.memory), build,
+        buffer_bytes=num_buffers * chunk_size * 4 * states if streams else None)
 
 
 PEER_INFO = {  # name: (offload, what)
@@ -184,6 +206,12 @@ def contenders_for(optimizer: str, workload: Workload, args) -> list[Contender]:
     out += [fusedoff_contender(optimizer, "stream", workload, c, args.num_buffers, args.chunk_sizes[0])
             for c in args.chunk_sizes]
     gpu_peers = args.device.type == "cuda" or args.dry_run  # the dry run drives their code on the CPU
+    if optimizer == "adamw" and gpu_peers:
+        # offload='auto' (resident what fits: the whole model, at these sizes on a GPU) and a half budget.
+        out.append(fusedoff_contender(optimizer, "auto", workload, args.chunk_sizes[0], args.num_buffers,
+                                      args.chunk_sizes[0]))
+        out.append(fusedoff_contender(optimizer, "stream", workload, args.chunk_sizes[0], args.num_buffers,
+                                      args.chunk_sizes[0], resident_fraction=0.5))
     if optimizer == "adamw":
         names = ADAM_PEERS_GPU if gpu_peers else ("torch_fused",)
         out += [peer_contender(n, workload) for n in names

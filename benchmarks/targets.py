@@ -7,6 +7,9 @@ GPU targets (an H200; "1B" is the largest size measured, normally 1G = 1.07e9 pa
   vs_naive         >= 10x the hand-written per-parameter offload, at the largest size both ran.
   vs_zero_offload  faster than the DeepSpeedCPUAdam (ZeRO-Offload) pattern, at the largest size both ran.
   none_vs_torch    offload='none' >= 0.95x torch's fused AdamW, same dtypes (fp32), at 1B.
+  auto_vs_torch    offload='auto' on a model whose states fit (decided resident at the first step) >= 0.95x
+                   torch's fused AdamW, fp32, at 1B, streaming nothing.
+  half_budget      offload='stream' with half the state bytes as device_budget: faster than all streamed.
   stream_memory    the optimizer's peak GPU memory during a step <= num_buffers x chunk bytes + 1%.
 CPU figures (this repository's CPU machine): fusedoff vs torch's fused AdamW, and the streaming engine's
 loopback overhead against offload='none', per size.
@@ -120,6 +123,33 @@ def none_vs_torch(rows: Sequence[dict]) -> Verdict:
     return Verdict(name, target, measured, _verdict(ratio >= NONE_VS_TORCH))
 
 
+def auto_vs_torch(rows: Sequence[dict]) -> Verdict:
+    name, target = "AdamW auto fp32 (a model that fits) vs torch fused AdamW", f">= {NONE_VS_TORCH:g}x"
+    fp32 = dict(optimizer="adamw", precision="fp32")
+    pair = _pair(rows, dict(contender="fusedoff_auto", **fp32), dict(contender="torch_fused", **fp32))
+    if pair is None:
+        return Verdict(name, target, _why_missing(rows, contender="fusedoff_auto", **fp32), "not measured")
+    mine, torch_row = pair
+    ratio = torch_row["ms_median"] / mine["ms_median"]
+    streamed = mine.get("opt_streamed_bytes")
+    measured = (f"{ratio:.3f}x ({mine['ms_median']:.2f} vs torch {torch_row['ms_median']:.2f} ms; streamed bytes "
+                f"{streamed}) at {_size(mine)}")
+    return Verdict(name, target, measured, _verdict(ratio >= NONE_VS_TORCH and not streamed))
+
+
+def half_budget(rows: Sequence[dict]) -> Verdict:
+    name, target = "AdamW stream with half the states resident vs all streamed", "step time falls (< 1x)"
+    pair = _pair(rows, dict(contender="fusedoff_stream_budget50", **ADAMW_BF16), STREAM)
+    if pair is None:
+        return Verdict(name, target, _why_missing(rows, contender="fusedoff_stream_budget50", **ADAMW_BF16),
+                       "not measured")
+    half, whole = pair
+    ratio = half["ms_median"] / whole["ms_median"]
+    measured = (f"{ratio:.3f}x ({half['ms_median']:.2f} vs {whole['ms_median']:.2f} ms; the link bytes alone "
+                f"would give {half['h2d_bytes'] / max(whole['h2d_bytes'], 1):.2f}x) at {_size(half)}")
+    return Verdict(name, target, measured, _verdict(ratio < 1.0))
+
+
 def stream_memory(rows: Sequence[dict]) -> Verdict:
     name, target = "AdamW stream: optimizer's peak GPU memory in a step", "<= num_buffers x chunk bytes + 1%"
     rs = [r for r in _ok(rows, **STREAM) if r.get("gpu_peak_bytes") is not None]
@@ -134,7 +164,7 @@ def stream_memory(rows: Sequence[dict]) -> Verdict:
     return Verdict(name, target, measured, _verdict(r["gpu_peak_bytes"] <= bound * (1 + MEMORY_SLACK)))
 
 
-GPU_TARGETS = (stream_bound, vs_naive, vs_zero_offload, none_vs_torch, stream_memory)
+GPU_TARGETS = (stream_bound, vs_naive, vs_zero_offload, none_vs_torch, auto_vs_torch, half_budget, stream_memory)
 
 
 def gpu_verdicts(rows: Sequence[dict]) -> list[Verdict]:

@@ -247,6 +247,24 @@ def test_none_vs_torch_verdict():
     assert targets.none_vs_torch(bf16_only).verdict == "not measured"
 
 
+def test_auto_vs_torch_verdict():
+    rows = [_row("fusedoff_auto", G, 100.0, precision="fp32", opt_streamed_bytes=0),
+            _row("torch_fused", G, 95.0, precision="fp32")]
+    assert targets.auto_vs_torch(rows).verdict == "meets"
+    rows[0]["opt_streamed_bytes"] = 4096  # as fast, but it streamed: 'auto' did not keep a model that fits
+    assert targets.auto_vs_torch(rows).verdict == "MISSES"
+    assert targets.auto_vs_torch(rows[1:]).verdict == "not measured"
+
+
+def test_half_budget_verdict():
+    half = _row("fusedoff_stream_budget50", G, 60.0, h2d_bytes=6 * G)
+    rows = [_stream(G, 100.0, 0.9), half]
+    v = targets.half_budget(rows)
+    assert v.verdict == "meets" and "0.600x" in v.measured and "0.50x" in v.measured
+    half["ms_median"] = 100.0
+    assert targets.half_budget(rows).verdict == "MISSES"
+
+
 def test_stream_memory_verdict():
     bound = 96 * 2**20
     row = _stream(G, 1.0, 0.9, gpu_peak_bytes=int(bound * 1.009), gpu_peak_first_step_bytes=bound * 2,
