@@ -10,12 +10,14 @@ import torch
 from fusedoff import ops
 from tests.helpers import (
     LOW_PRECISION,
+    SIZES,
     STORAGE_DTYPES,
     assert_matches_oracle,
     backend_params,
     make_adam_problem,
     max_abs_error,
     run_adam,
+    sizes_across_cpu_blocks,
     ulp_atol,
 )
 
@@ -44,13 +46,15 @@ def dtype_cases():
             )
 
 
-def check_against_oracle(backend, device, *, param_dtype, grad_dtype, master, h, grad_scale=None, num_steps=20):
+def check_against_oracle(backend, device, *, param_dtype, grad_dtype, master, h, grad_scale=None, num_steps=20,
+                         sizes=SIZES):
     problem = make_adam_problem(
         param_dtype=param_dtype,
         grad_dtype=grad_dtype,
         master=master,
         amsgrad=h["amsgrad"],
         num_steps=num_steps,
+        sizes=sizes,
         grad_scale=grad_scale or 1.0,
     )
     scale = None if grad_scale is None else torch.tensor(grad_scale)
@@ -81,12 +85,37 @@ def test_modes_against_float64_oracle(backend, device, amsgrad, maximize, decoup
     check_against_oracle(backend, device, param_dtype=param_dtype, grad_dtype=param_dtype, master=master, h=h)
 
 
-@pytest.mark.parametrize("backend,device", NATIVE_AND_TRITON)
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda")))
+@pytest.mark.parametrize("param_dtype,master", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-master"])
+def test_sizes_across_cpu_blocks_against_float64_oracle(backend, device, param_dtype, master):
+    """Every element of tensors ending around host block boundaries (see sizes_across_cpu_blocks)."""
+    # A block ending one element early leaves element 32767 of each large tensor where it was: an
+    # error of ~3 * lr in the params against an allowed ~1e-7.
+    check_against_oracle(backend, device, param_dtype=param_dtype, grad_dtype=param_dtype, master=master,
+                         h=hyper(amsgrad=True), num_steps=3, sizes=sizes_across_cpu_blocks())
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
 @pytest.mark.parametrize("grad_dtype", STORAGE_DTYPES, ids=str)
 def test_grad_scale_divides_in_kernel(backend, device, grad_dtype):
-    # 1000 is not a power of two, so a kernel multiplying by a rounded reciprocal would show.
-    check_against_oracle(backend, device, param_dtype=torch.float32, grad_dtype=grad_dtype, master=False,
-                         h=hyper(amsgrad=True), grad_scale=1000.0)
+    """The kernel unscales as torch's fused AdamW does, g / scale in fp32 (torch writes exactly that
+    back into its gradients): the step with a grad scale is bit for bit the step without one on the
+    gradients torch divided beforehand, params and every state. 1000 is not a power of two, so a
+    kernel multiplying by the rounded reciprocal 1/1000 differs in about half the elements."""
+    h = hyper(amsgrad=True)
+    steps = 5 if backend == "triton" and device == "cpu" else 20
+    check_against_oracle(backend, device, param_dtype=torch.float32, grad_dtype=grad_dtype, master=False, h=h,
+                         grad_scale=1000.0, num_steps=steps)
+
+    problem = make_adam_problem(grad_dtype=grad_dtype, amsgrad=True, num_steps=steps, grad_scale=1000.0)
+    scale = torch.tensor(1000.0, device=device)
+    scaled = run_adam(problem.to(device=device), backend, h, grad_scale=scale)
+    unscaled = problem.to(device=device)
+    unscaled.grads_per_step = [[g.float() / scale for g in grads] for grads in unscaled.grads_per_step]
+    run_adam(unscaled, backend, h)
+    differ = {name: sum((a != b).sum().item() for a, b in zip(tensors, unscaled.states()[name], strict=True))
+              for name, tensors in scaled.states().items()}
+    assert not any(differ.values()), f"elements that differ, of {sum(p.numel() for p in scaled.params)}: {differ}"
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
@@ -156,15 +185,30 @@ def test_against_torch_optim(backend, device, amsgrad, maximize, optim_cls):
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
-def test_empty_call_is_a_no_op(backend, device):
+def test_empty_tensors_are_skipped_and_their_neighbours_updated(backend, device):
+    """Empty lists return at once (the native op could not pick a device from them); empty tensors
+    between others take no block and leave the others' blocks where they were."""
     ops.adam_step_([], [], [], [], [], [], [], backend=backend, **hyper())
+    h = hyper(amsgrad=True)
+    steps = 3 if backend == "triton" and device == "cpu" else 20
+    problem = make_adam_problem(param_dtype=torch.bfloat16, grad_dtype=torch.float16, master=True, amsgrad=True,
+                                num_steps=steps, sizes=((0,), (4097,), (3, 0), (7,), (0,)))
+    got = run_adam(problem.to(device=device), backend, h)
+    baseline = run_adam(problem.to(), "torch", h)
+    oracle = run_adam(problem.to(torch.float64), "torch", h)
+    for name, tensors in got.states().items():
+        assert [t.shape for t in tensors] == [t.shape for t in problem.states()[name]], name
+    assert_matches_oracle(got, baseline, oracle, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton")))
 def test_bad_input_raises_before_writing(backend, device):
-    problem = make_adam_problem(num_steps=1).to(device=device)
-    before = [p.clone() for p in problem.params]
+    """A call that raises leaves params and every state as they were, to the bit."""
+    problem = make_adam_problem(num_steps=2).to(device=device)
+    run_adam(problem, backend, hyper())  # non-zero states: a partial write of any value shows
+    problem.grads_per_step = problem.grads_per_step[:1]
     ops.increment_steps_(problem.steps)
+    before = {name: [t.clone() for t in tensors] for name, tensors in problem.states().items()}
     bad_grads = list(problem.grads_per_step[0])
     bad_grads[-1] = bad_grads[-1][:-1]  # one element short, on the last tensor
     with pytest.raises((RuntimeError, ValueError), match="element|numel|size|shape"):
@@ -175,8 +219,9 @@ def test_bad_input_raises_before_writing(backend, device):
     with pytest.raises((RuntimeError, ValueError), match="float32"):
         ops.adam_step_(problem.params, problem.grads_per_step[0], bad_states, problem.exp_avg_sqs, [], [],
                        problem.steps, backend=backend, **hyper())
-    for p, b in zip(problem.params, before):
-        assert torch.equal(p, b)
+    for name, tensors in problem.states().items():
+        for i, (t, b) in enumerate(zip(tensors, before[name], strict=True)):
+            assert torch.equal(t, b), f"{name}[{i}] written by a call that raised"
 
 
 def test_cpu_backend_rejects_other_devices():
