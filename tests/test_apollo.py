@@ -11,7 +11,15 @@ import torch
 import fusedoff
 from fusedoff import ops
 from fusedoff.kernels.reference import ApolloReference
-from tests.helpers import backend_params, max_abs_error, relative_l2_error, ulp_atol
+from tests.helpers import (
+    SIZES,
+    STORAGE_DTYPES,
+    backend_params,
+    max_abs_error,
+    relative_l2_error,
+    sizes_across_cpu_blocks,
+    ulp_atol,
+)
 
 MODES = list(itertools.product(["constant", "belief"], ["L2", "decoupled", "stable"]))
 MODE_IDS = [f"{r}-{d}" for r, d in MODES]
@@ -95,7 +103,8 @@ def test_per_parameter_step_counts(backend, device):
     assert_matches_reference(model, opt, kwargs, 8, skip_bias_every=3)
 
 
-def make_op_problem(sizes, param_dtype, grad_dtype, master, seed=0):
+def make_op_problem(sizes, param_dtype, grad_dtype, master, seed=0, grad_scale=1.0):
+    """States as after some steps; gradients multiplied by `grad_scale` as an AMP scaler would."""
     gen = torch.Generator().manual_seed(seed)
     p32 = [torch.randn(s, generator=gen) for s in sizes]
     return dict(
@@ -105,7 +114,7 @@ def make_op_problem(sizes, param_dtype, grad_dtype, master, seed=0):
         updates=[torch.randn(s, generator=gen) * 0.1 for s in sizes],
         master_params=[p.clone() for p in p32] if master else [],
         steps=[torch.full((), float(k)) for k in (1, 2, 4, 9)[: len(sizes)]],
-        grads=[(torch.randn(s, generator=gen) * 0.1).to(grad_dtype) for s in sizes],
+        grads=[(torch.randn(s, generator=gen) * 0.1 * grad_scale).to(grad_dtype) for s in sizes],
     )
 
 
@@ -134,21 +143,86 @@ DTYPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda")))
-@pytest.mark.parametrize("rebound,decay_type", MODES, ids=MODE_IDS)
-@pytest.mark.parametrize("param_dtype,grad_dtype,master", DTYPE_CASES, ids=lambda c: str(c).replace("torch.", ""))
-def test_op_dtypes_against_float64(backend, device, rebound, decay_type, param_dtype, grad_dtype, master):
-    problem = make_op_problem(((), (1,), (7,), (4097,)), param_dtype, grad_dtype, master)
-    hyper = op_hyper(rebound, decay_type)
-    got = run_op_step(problem, backend, device, hyper)
-    baseline = run_op_step(problem, "torch", "cpu", hyper)
-    oracle = run_op_step(problem, "torch", "cpu", hyper, dtype=torch.float64)
-    for key in ("params", "exp_avg_grads", "approx_hessians", "updates", "master_params"):
+OP_STATES = ("params", "exp_avg_grads", "approx_hessians", "updates", "master_params")
+
+
+def assert_op_states_within(got, baseline, oracle, param_dtype):
+    """err(got vs float64 oracle) <= 2 * err(fp32 reference vs oracle) + one ulp, params and every state."""
+    report, failed = [], False
+    for key in OP_STATES:
         if not got[key]:
             continue
         err, base = max_abs_error(got[key], oracle[key]), max_abs_error(baseline[key], oracle[key])
         dtype = param_dtype if key == "params" else torch.float32
-        assert err <= 2 * base + ulp_atol(dtype, oracle[key]), f"{key}: {err:.3e} vs {base:.3e}"
+        atol = ulp_atol(dtype, oracle[key])
+        failed |= err > 2 * base + atol
+        report.append(f"{key}: {err:.3e} vs {base:.3e} (atol {atol:.1e})")
+    assert not failed, "; ".join(report)
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda")))
+@pytest.mark.parametrize("rebound,decay_type", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("param_dtype,grad_dtype,master", DTYPE_CASES, ids=lambda c: str(c).replace("torch.", ""))
+def test_op_dtypes_against_float64(backend, device, rebound, decay_type, param_dtype, grad_dtype, master):
+    problem = make_op_problem(SIZES, param_dtype, grad_dtype, master)
+    hyper = op_hyper(rebound, decay_type)
+    got = run_op_step(problem, backend, device, hyper)
+    baseline = run_op_step(problem, "torch", "cpu", hyper)
+    oracle = run_op_step(problem, "torch", "cpu", hyper, dtype=torch.float64)
+    assert_op_states_within(got, baseline, oracle, param_dtype)
+
+
+# 'constant-L2' reads the gradient in 'reduce' and 'full', 'belief-stable' in 'reduce' and 'moments'.
+GRAD_SCALE_MODES = [("constant", "L2"), ("belief", "stable")]
+GRAD_SCALE = 1000.0  # not a power of two: a rounded reciprocal 1/1000 differs from dividing
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
+@pytest.mark.parametrize("rebound,decay_type", GRAD_SCALE_MODES, ids=["-".join(m) for m in GRAD_SCALE_MODES])
+@pytest.mark.parametrize("grad_dtype", STORAGE_DTYPES, ids=str)
+def test_op_grad_scale_against_float64(backend, device, rebound, decay_type, grad_dtype):
+    """Scaled gradients of every dtype, unscaled in the kernel: the oracle is the float64 reference on
+    the unscaled gradients (it never sees the scale), params and every state compared."""
+    problem = make_op_problem(SIZES, torch.float32, grad_dtype, False, grad_scale=GRAD_SCALE)
+    hyper = op_hyper(rebound, decay_type)
+    scale = torch.tensor(GRAD_SCALE)
+    got = run_op_step(problem, backend, device, dict(hyper, grad_scale=scale.to(device)))
+    baseline = run_op_step(problem, "torch", "cpu", dict(hyper, grad_scale=scale))
+    unscaled = dict(problem, grads=[g.double() / GRAD_SCALE for g in problem["grads"]])
+    oracle = run_op_step(unscaled, "torch", "cpu", hyper, dtype=torch.float64)
+    assert_op_states_within(got, baseline, oracle, torch.float32)
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
+@pytest.mark.parametrize("rebound,decay_type", GRAD_SCALE_MODES, ids=["-".join(m) for m in GRAD_SCALE_MODES])
+@pytest.mark.parametrize("grad_dtype", STORAGE_DTYPES, ids=str)
+def test_op_grad_scale_divides_like_torch(backend, device, rebound, decay_type, grad_dtype):
+    """The kernel unscales with torch's g / scale in fp32: a step with the scale is bit for bit the
+    step without one on the gradients torch divided beforehand (a reciprocal multiply is not)."""
+    problem = make_op_problem(SIZES, torch.float32, grad_dtype, False, grad_scale=GRAD_SCALE)
+    hyper = op_hyper(rebound, decay_type)
+    scale = torch.tensor(GRAD_SCALE)
+    scaled = run_op_step(problem, backend, device, dict(hyper, grad_scale=scale.to(device)))
+    unscaled = run_op_step(dict(problem, grads=[g.float() / scale for g in problem["grads"]]), backend, device, hyper)
+    differ = {key: sum((a != b).sum().item() for a, b in zip(scaled[key], unscaled[key], strict=True))
+              for key in OP_STATES}
+    assert not any(differ.values()), f"elements that differ, of {sum(p.numel() for p in scaled['params'])}: {differ}"
+
+
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda")))
+@pytest.mark.parametrize("rebound,decay_type", GRAD_SCALE_MODES, ids=["-".join(m) for m in GRAD_SCALE_MODES])
+@pytest.mark.parametrize("param_dtype,grad_dtype,master", [DTYPE_CASES[0], DTYPE_CASES[2]],
+                         ids=lambda c: str(c).replace("torch.", ""))
+def test_op_sizes_across_cpu_blocks_against_float64(backend, device, rebound, decay_type, param_dtype, grad_dtype,
+                                                    master):
+    """Every element of tensors ending around host block boundaries (see sizes_across_cpu_blocks),
+    whose sums also cross the blocks."""
+    problem = make_op_problem(sizes_across_cpu_blocks(), param_dtype, grad_dtype, master)
+    hyper = op_hyper(rebound, decay_type)
+    got = run_op_step(problem, backend, device, hyper)
+    baseline = run_op_step(problem, "torch", "cpu", hyper)
+    oracle = run_op_step(problem, "torch", "cpu", hyper, dtype=torch.float64)
+    assert_op_states_within(got, baseline, oracle, param_dtype)
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
