@@ -19,13 +19,19 @@ BACKENDS = ("cpu", "cuda", "triton", "torch")
 
 
 def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
-    """Adds one to each step count, or nothing where ``found_inf`` is 1, without a host sync."""
+    """Adds one to each step count, or nothing where ``found_inf`` is non-zero, without a host sync.
+
+    Any non-zero ``found_inf`` skips, as in the kernels: torch.amp.GradScaler sums the flags of every
+    device the gradients live on, so a model on two GPUs that overflows on both passes 2.0 (and
+    ``1 - found_inf`` would count the step backwards). NaN skips too.
+    """
     if not steps:
         return
     if found_inf is None:
         torch._foreach_add_(list(steps), 1.0)
     else:
-        torch._foreach_add_(list(steps), [1.0 - found_inf.reshape(()).to(steps[0].device)] * len(steps))
+        stepped = (found_inf.reshape(()).to(steps[0].device) == 0).to(steps[0].dtype)
+        torch._foreach_add_(list(steps), [stepped] * len(steps))
 
 
 def adam_step_(

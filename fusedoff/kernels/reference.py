@@ -3,7 +3,7 @@
 It mirrors ``csrc/include/fusedoff/adam.h`` line for line. Math runs in float64 when any of the
 parameter (or master) and state tensors is float64, otherwise in float32; low-precision tensors are
 upcast on the fly and written back with round-to-nearest-even. With ``found_inf`` it computes the
-update and keeps the old values where ``found_inf`` is 1, so it never synchronises with the host.
+update and keeps the old values where ``found_inf`` is non-zero, so it never synchronises with the host.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ struct AdamLaunch {
   bool has_master;
   AdamHyperparams hyper;
   const float* grad_scale;  // nullptr: no scaling
-  const float* found_inf;   // nullptr: always step; *found_inf == 1: change nothing
+  const float* found_inf;   // nullptr: always step; *found_inf != 0: change nothing
   int num_threads;          // host only
   void* stream;             // device only: the cudaStream_t to launch on
 };
