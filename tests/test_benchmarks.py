@@ -114,13 +114,13 @@ def test_streamed_bytes_match_what_the_optimizer_asks_the_pipeline_for(monkeypat
     moved = {"h2d": 0, "d2h": 0}
     original = pipeline_module.StreamPipeline.run
 
-    def spy(self, plan, store, *, read, write, compute, device_inputs=(), chunks=None):
+    def spy(self, plan, store, *, read, write, compute, touches=(), chunks=None):
         read, write = tuple(read), tuple(write)
         chunks = None if chunks is None else list(chunks)
         elements = sum(c.numel for c in (plan.chunks if chunks is None else chunks))
         moved["h2d"] += 4 * len(set(read) | set(write)) * elements
         moved["d2h"] += 4 * len(set(write)) * elements
-        return original(self, plan, store, read=read, write=write, compute=compute, device_inputs=device_inputs,
+        return original(self, plan, store, read=read, write=write, compute=compute, touches=touches,
                         chunks=chunks)
 
     monkeypatch.setattr(pipeline_module.StreamPipeline, "run", spy)

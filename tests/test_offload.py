@@ -55,7 +55,7 @@ def test_chunk_plan_covers_every_element_once_aligned(segment):
 def test_host_store_hands_out_views_of_one_slab_per_tensor():
     numels = [7, 1000, 300, 0, 64]
     plan = ChunkPlan(numels, 64, 3 * 64)  # slabs of at most 3 chunks: the 1000-element tensor has its own
-    store = HostStateStore(plan, ("a", "b"), pin=False)
+    store = HostStateStore(plan, ("a", "b"))
     values = [torch.randn(n) for n in numels]
     for t, v in enumerate(values):
         store.view("a", t).copy_(v)
@@ -370,7 +370,7 @@ def test_user_state_dict_hooks_see_complete_dicts():
 def test_cuda_failed_pinning_leaves_no_error_behind():
     """A failed cudaHostRegister (here: memory already registered) returns False, and the CUDA
     error it leaves is cleared: the next launch check must not report it as its own."""
-    from fusedoff.offload.store import _pin
+    from fusedoff.offload.store import pin_in_place as _pin
 
     slab = torch.zeros(1024)
     assert _pin(slab, torch.device("cuda"))

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.pipeline import StreamPipeline
+from fusedoff.offload.runtime import Runtime, runtime_for
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size
 from fusedoff.offload.store import HostStateStore
@@ -59,6 +60,8 @@ class StateLayout:
     initial: Initial
     index: dict[int, int]  # id(param) -> position in `params`
     sharded: list[bool]
+    runtime: Runtime
+    before_host_write: Callable[[], None]  # waits for queued copies back into the store
     # The object last placed in opt.state[p][name] for each tensor (None: none yet).
     placed: dict[str, list[Tensor | None]] = field(default_factory=dict)
     # Flat views of the parameters for the step under way, made once per step: a DTensor's local
@@ -82,6 +85,9 @@ class StateLayout:
                 state[name] = placed[name][t] = self._resident_state(name, param, value)
                 continue
             flat = self.store.view(name, t)
+            # The previous step's copies back cover whole chunks, this tensor's part included.
+            self.before_host_write()
+            self.runtime.host_access([flat], write=True, what=f"{name} of tensor {t} set by the host")
             if value is None:
                 start = self.initial(name, param)
                 flat.copy_(local_tensor(start).reshape(-1)) if start is not None else flat.zero_()
@@ -168,14 +174,21 @@ class OffloadEngine:
         self.device_budget = device_budget  # as given: None, or bytes per device
         self.budget = Budget()
         self.layouts: dict[tuple, StateLayout] = {}
+        self.runtimes: dict[torch.device, Runtime] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
         self._host_pending = False
 
+    def runtime(self, device: torch.device) -> Runtime:
+        rt = self.runtimes.get(device)
+        if rt is None:
+            rt = self.runtimes[device] = runtime_for(device)
+        return rt
+
     # ---- placement ---------------------------------------------------------------------------
     def needs_decision(self, device: torch.device) -> bool:
         """True when the budget for `device` is decided from its memory at this first step."""
-        return (self.mode == "auto" and self.device_budget is None and device.type == "cuda"
+        return (self.mode == "auto" and self.device_budget is None and self.runtime(device).decides_budget
                 and not self.budget.decided(device))
 
     def decide(self, device: torch.device, budget: int | None) -> None:
@@ -204,20 +217,21 @@ class OffloadEngine:
         numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
         plan = ChunkPlan(numels, self.chunk_size, max(self.chunk_size, DEFAULT_SEGMENT_BYTES // 4))
         store = pipeline = None
+        rt = self.runtime(device)
         if not all(resident):
             pipeline = self.pipelines.get(device)
             if pipeline is None:
-                pipeline = self.pipelines[device] = StreamPipeline(device, self.chunk_size, self.num_buffers)
-            store = HostStateStore(plan, names, pin=device.type == "cuda", device=device)
+                pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
+            store = HostStateStore(plan, names, pin=rt.pin if rt.asynchronous else None)
         layout = StateLayout(params, names, resident, plan, store, pipeline, initial,
                              {id(p): i for i, p in enumerate(params)}, [bool(shard_groups(p)) for p in params],
-                             {name: [None] * len(params) for name in names})
+                             rt, self.wait_host, {name: [None] * len(params) for name in names})
         self.layouts[key] = layout
         self._device_peak = max(self._device_peak, self.device_bytes)
         return layout
 
     def _initial_budget(self, device: torch.device) -> int | None:
-        if self.mode == "none" or (self.mode == "auto" and device.type != "cuda"):
+        if self.mode == "none" or (self.mode == "auto" and not self.runtime(device).decides_budget):
             return None  # auto never streams CPU parameters' states: they are in host memory already
         if self.device_budget is not None:
             return self.device_budget
@@ -238,6 +252,7 @@ class OffloadEngine:
         """One step of `update` over the tensors of `layout` that have a gradient in `grads`
         (position -> gradient); `states` maps them to their ``opt.state`` dicts, adopted already."""
         layout._flat_params.clear()  # the parameters may have been replaced since the last step
+        rt = layout.runtime
         stats = None
         if update.stats_columns:
             stats = torch.zeros(len(layout.params), update.stats_columns, dtype=torch.float64, device=layout.device)
@@ -246,12 +261,20 @@ class OffloadEngine:
         chunks = []
         if layout.store is not None:
             chunks = [c for c in layout.plan.chunks if any(p.tensor in grads for p in c.pieces)]
+        if chunks and rt.capturing():
+            raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
+                               "and host synchronisation are outside the graph); capture with every state resident "
+                               "(offload='none', or a device_budget that holds them all)")
+        # Produced on the main stream before this step: the gradients (backward) and the step counts.
+        rt.main_access([*grads.values(), *steps.values(), *(() if stats is None else (stats,))], write=True,
+                       what="gradients, steps and stats made on the main stream")
         whole_pass, spanning = chunks, []
         if len(update.phases) > 1:
             whole_pass = [c for c in chunks if layout.plan.whole_tensors_only(c)
                           and not any(layout.sharded[p.tensor] for p in c.pieces)]
             spanning = [c for c in chunks if c not in whole_pass]
-        inputs = [*grads.values(), *(() if stats is None else (stats,))]
+        inputs = [*(layout.flat_param(t) for t in stepping if not layout.resident[t]), *grads.values(),
+                  *steps.values(), *(() if stats is None else (stats,))]
         if whole_pass:
             self._stream(layout, update, update.phases, whole_pass, grads, steps, stats, inputs)
         resident_calls = layout.resident_calls(resident, [states[t] for t in resident], grads, steps, stats)
@@ -280,7 +303,7 @@ class OffloadEngine:
                 for args in layout.chunk_calls(chunk, buffers, grads, steps, stats):
                     update.call(phase, args)
 
-        layout.pipeline.run(layout.plan, layout.store, read=read, write=write, compute=compute, device_inputs=inputs,
+        layout.pipeline.run(layout.plan, layout.store, read=read, write=write, compute=compute, touches=inputs,
                             chunks=chunks)
 
     def wait_host(self) -> None:
@@ -290,6 +313,10 @@ class OffloadEngine:
         for pipeline in self.pipelines.values():
             pipeline.wait_host()
         self._host_pending = False
+        for layout in self.layouts.values():  # what the host may now read (recorded by the simulator)
+            if layout.store is not None:
+                layout.runtime.host_access([s for slabs in layout.store.slabs.values() for s in slabs], write=False,
+                                           what="host state read after wait_host")
 
     # ---- memory ----------------------------------------------------------------------------------
     @property

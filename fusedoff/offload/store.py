@@ -14,6 +14,7 @@ import ctypes
 import functools
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,7 +27,7 @@ from fusedoff.offload.plan import Chunk, ChunkPlan
 _deferred_unpins: list[tuple[int, int]] = []
 
 
-def _pin(tensor: Tensor, device: torch.device) -> bool:
+def pin_in_place(tensor: Tensor, device: torch.device) -> bool:
     """Page-locks `tensor`'s memory in place (unlocked when it is freed, after the copies queued on
     `device` have finished); False if that fails."""
     while _deferred_unpins:
@@ -91,16 +92,17 @@ class HostStateStore:
     copy moves.
     """
 
-    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: bool, device: torch.device | None = None) -> None:
+    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: Callable[[Tensor], bool] | None = None) -> None:
+        """`pin(slab)` page-locks a slab for the device's copies (None: nothing to pin for)."""
         self.plan = plan
         self.names = names
-        self.pinned = pin
+        self.pinned = pin is not None
         self.slabs: dict[str, list[Tensor]] = {}
         for name in names:
             slabs = []
             for size in plan.segment_sizes:
                 slab = torch.zeros(size, dtype=torch.float32)
-                if self.pinned and size and not _pin(slab, device or torch.device("cuda")):
+                if self.pinned and size and not pin(slab):
                     warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
                                   "pageable memory (slower)", stacklevel=3)
                     self.pinned = False

@@ -9,6 +9,7 @@ GradScaler's ``grad_scale``/``found_inf`` and ``clip_grad_norm_``.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -23,17 +24,31 @@ from fusedoff.offload import placement
 from fusedoff.offload.update import FusedUpdate
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.state import OptimizerState, param_state
-from fusedoff.optim.validation import LOW_PRECISION, check_group, check_param
+from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_param, check_torch_flags
 from fusedoff.sharding import local_tensor
 from fusedoff.tensor_layout import flat_view, in_layout_of
 
 OFFLOAD_MODES = ("auto", "none", "stream")
 
+# [note: who asks whether the step unscales]
+# torch.amp.GradScaler.step reads `_step_supports_amp_scaling`: when true it sets `grad_scale` and
+# `found_inf` on the optimizer and calls step() whatever the gradients hold, and fusedoff's kernels
+# unscale the gradients in registers and skip the update on overflow, with no host synchronisation
+# (as torch's fused AdamW). Training loops read the same attribute with another meaning, "this
+# optimizer unscales internally, so gradients cannot be unscaled and clipped before its step":
+# Lightning then refuses `gradient_clip_val` even under bf16-mixed, which has no scaler at all, and
+# skips its own `scaler.unscale_` under fp16. fusedoff's step takes gradients already unscaled as
+# well (GradScaler then passes grad_scale=None and only found_inf), so the attribute is true for a
+# GradScaler (any subclass) and false for every other reader: loops unscale and clip as for any
+# optimizer, and GradScaler still leaves unscaling (or, after an explicit `unscale_`, the overflow
+# skip) to the kernel.
+
 
 class FusedOptimizer(Optimizer):
-    # torch.amp.GradScaler sets `grad_scale` and `found_inf` on the optimizer and lets it unscale
-    # in the kernel and skip on overflow (as torch's fused AdamW does).
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True for torch.amp.GradScaler only: see [note: who asks whether the step unscales]."""
+        return isinstance(sys._getframe(1).f_locals.get("self"), torch.amp.GradScaler)
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
                  chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None) -> None:
@@ -132,21 +147,29 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict) -> None:
         config = state.pop("_fusedoff_config", None)
         super().__setstate__(state)
+        # torch's __setstate__ adds 'differentiable' to the defaults, whence add_param_group would
+        # copy it into every later group: fusedoff has no such option (see check_torch_flags).
+        self.defaults.pop("differentiable", None)
         # A torch.optim (or reference) checkpoint's groups lack fusedoff's options: fill them in.
         for group in self.param_groups:
             for key, value in self.defaults.items():
-                if key != "differentiable":  # added to defaults by torch's own __setstate__
-                    group.setdefault(key, value)
+                group.setdefault(key, value)
         if config is not None:  # a copy (deepcopy, pickle): its own engine; states placed at its first step
             self._start_engine(config)
             self._register_hooks()
         self._wrap_state()
 
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        check_group(params)  # before torch appends the group: a bad one leaves no trace
-        super().add_param_group({**param_group, "params": params})
+        # torch checks the group's form (a dict, no set, tensors or (name, tensor) pairs, not both,
+        # no parameter twice) and raises its own errors; fusedoff's checks come first, on the
+        # tensors, so that a group either of them refuses leaves no trace.
+        if isinstance(param_group, dict) and not isinstance(param_group.get("params", set()), set):
+            params = param_group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)  # read a generator once
+            param_group = {**param_group, "params": params}
+            check_group([p[1] if isinstance(p, tuple) else p for p in params])
+            check_torch_flags(**{key: param_group[key] for key in TORCH_FLAGS if key in param_group})
+        super().add_param_group(param_group)
 
     def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
         handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
@@ -187,7 +210,7 @@ class FusedOptimizer(Optimizer):
                         count = len(self._bucket_names(group, self._uses_master(group, p)))
                         needed += local_tensor(p).numel() * 4 * count
                         most_states = max(most_states, count)
-            total, peak = placement.device_memory(device)
+            total, peak = self._engine.runtime(device).memory_info()
             self._engine.decide(device, placement.auto_budget(total, peak, needed,
                                                               self._engine.buffer_bytes_for(most_states)))
 

@@ -1,0 +1,165 @@
+"""The device seam: everything the offload engine asks of a device, in one small interface.
+
+The engine (pipeline, store, placement) talks to a device only through a `Runtime`: side streams
+and events (record, wait, synchronize), the current ("main") stream, asynchronous copies, kernels
+launched on a stream, device buffers, page-locked host memory, keeping a tensor alive for a
+stream, memory figures, and graph capture. Three implementations:
+
+- `Runtime` itself: the host loopback for CPU parameters. Everything runs at once, in program
+  order; streams and events are None.
+- `CudaRuntime`: torch's CUDA streams and events. Nothing else in the engine touches torch.cuda.
+- `fusedoff.offload.simulator.SimulatedRuntime`: CPU tensors behind queued streams with a
+  seeded random interleaving and a happens-before race checker, so CI runs the device side.
+
+Data-flow terms used by the simulator: the *host* is the Python thread (it reads and writes host
+memory directly); *main* is the stream the user's kernels run on (the current stream: backward
+writes gradients there, the next forward reads parameters there). `host_access` and `main_access`
+tell the runtime about such accesses; only the simulator records them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from fusedoff.offload import placement
+
+
+class Runtime:
+    """The host loopback: a device whose every operation completes when it is issued."""
+
+    decides_budget = False  # offload='auto' streams nothing here (the states are in host memory already)
+    asynchronous = False  # copies overlap the host: host memory is page-locked for them
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    # streams and events
+    def new_stream(self):
+        return None
+
+    def current_stream(self):
+        return None
+
+    def record(self, stream):
+        """An event completed when `stream`'s work queued so far is done."""
+        return None
+
+    def wait_event(self, stream, event) -> None:
+        """`stream`'s later work waits for `event` (None: nothing to wait for)."""
+
+    def wait_stream(self, waiter, waited) -> None:
+        """`waiter`'s later work waits for `waited`'s work queued so far."""
+
+    def synchronize(self, event) -> None:
+        """The host waits for `event`."""
+
+    # work
+    def copy(self, stream, dst: Tensor, src: Tensor) -> None:
+        """An asynchronous copy on `stream` (host <-> device, with page-locked host memory)."""
+        dst.copy_(src)
+
+    def launch(self, stream, fn: Callable[[], None], *, reads: Iterable[Tensor] = (),
+               writes: Iterable[Tensor] = ()) -> None:
+        """Runs `fn` (kernels reading `reads`, writing `writes`) on `stream`."""
+        fn()
+
+    # memory
+    def empty(self, numel: int) -> Tensor:
+        """A new fp32 device buffer (allocated on the main stream)."""
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def keep_alive(self, tensor: Tensor, stream) -> None:
+        """The allocator must not reuse `tensor`'s memory before `stream`'s queued work is done."""
+
+    def pin(self, tensor: Tensor) -> bool:
+        """Page-locks `tensor`'s memory in place for copies to this device; False if not possible."""
+        return False
+
+    def memory_info(self) -> tuple[int, int]:
+        """(total bytes, peak bytes this process allocated so far) of the device."""
+        raise NotImplementedError(f"no memory figures for {self.device}")
+
+    def capturing(self) -> bool:
+        """True while the current stream is being captured into a graph."""
+        return False
+
+    # accesses by the host and the main stream (recorded by the simulator only)
+    def host_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
+        pass
+
+    def main_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
+        pass
+
+
+class CudaRuntime(Runtime):
+    decides_budget = True
+    asynchronous = True
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def record(self, stream):
+        return stream.record_event()
+
+    def wait_event(self, stream, event) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def wait_stream(self, waiter, waited) -> None:
+        waiter.wait_stream(waited)
+
+    def synchronize(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def copy(self, stream, dst: Tensor, src: Tensor) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def launch(self, stream, fn, *, reads=(), writes=()) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def keep_alive(self, tensor: Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def pin(self, tensor: Tensor) -> bool:
+        from fusedoff.offload.store import pin_in_place
+
+        return pin_in_place(tensor, self.device)
+
+    def memory_info(self) -> tuple[int, int]:
+        return placement.device_memory(self.device)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+_simulated: Callable[[torch.device], Runtime] | None = None
+
+
+def runtime_for(device: torch.device) -> Runtime:
+    """The runtime of `device`: CUDA, the host loopback, or (inside `simulate`) the simulator for CPU."""
+    if device.type == "cuda":
+        return CudaRuntime(device)
+    if _simulated is not None and device.type == "cpu":
+        return _simulated(device)
+    return Runtime(device)
+
+
+@contextlib.contextmanager
+def simulate(factory: Callable[[torch.device], Runtime]):
+    """Within this block, optimizers created for CPU parameters get the runtime `factory(device)`."""
+    global _simulated
+    previous, _simulated = _simulated, factory
+    try:
+        yield
+    finally:
+        _simulated = previous

@@ -1,0 +1,207 @@
+"""The engine's device side, run in CI: real optimizer classes through the stream simulator.
+
+Each case trains with the simulator standing in for a GPU (fusedoff/offload/simulator.py: queued
+side streams in a seeded random interleaving, copies landing late, a happens-before race checker)
+and compares every parameter and state, bit for bit, with the same optimizer run through the
+synchronous host loopback (and, for the elementwise AdamW/Adam, with the resident run). After each
+step the test does what training code does next on the main stream: the forward reads the
+parameters, zero_grad writes the gradients in place; the checker must find every such access
+ordered after the step's work.
+
+`python tests/stream_mutations.py` removes each wait and event record of the engine in turn and
+checks that these tests fail.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusedoff
+from fusedoff.offload import runtime
+from fusedoff.offload.simulator import RaceError, SimulatedRuntime
+
+SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]  # tensors spanning 32-element chunks and sharing them
+SEEDS = range(6)
+ADAM = dict(lr=1e-2, weight_decay=0.1)
+APOLLO = dict(lr=1e-2, warmup=2, weight_decay=0.01)
+
+
+def make_params(dtype):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def train(make_opt, dtype, *, steps=5, sim=None, scaler_skip=None, clip_at=None, load_at=None,
+          user_stream_at=None, read_state=True):
+    """Trains, doing between steps what training code does; returns the parameters and every
+    state as read right after each step."""
+    params = make_params(dtype)
+    groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-3}]  # two buckets share the pipeline
+    opt = make_opt(groups)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for step in range(steps):
+        for i, p in enumerate(params):
+            grad = (torch.randn(p.shape, generator=gen) * 0.1).to(dtype)
+            if p.grad is None or i % 2:
+                p.grad = grad
+            else:
+                p.grad.copy_(grad)  # written in place on the main stream
+            if sim is not None:
+                sim.main_access([p.grad], write=True, what="backward writes a gradient")
+        if step == scaler_skip:  # GradScaler found an inf: the step changes nothing
+            opt.grad_scale, opt.found_inf = torch.full((), 8.0), torch.ones(())
+        if step == clip_at:
+            opt.clip_grad_norm_(0.05)
+        if step == user_stream_at and sim is not None:
+            with sim.user_stream():
+                opt.step()
+                after_step(params, sim)
+        else:
+            opt.step()
+            after_step(params, sim)
+        if step == scaler_skip:
+            del opt.grad_scale, opt.found_inf
+        if read_state:  # right after the step, no synchronisation of ours
+            seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        if step == load_at:
+            saved = copy.deepcopy(opt.state_dict())  # right after step(): must wait for the copies back
+            opt.load_state_dict(saved)
+        opt.zero_grad(set_to_none=False)
+        if sim is not None:
+            sim.main_access([p.grad for p in params], write=True, what="zero_grad")
+    return [p.detach().clone() for p in params], seen
+
+
+def after_step(params, sim):
+    if sim is not None:  # the next forward reads the parameters on the main stream
+        sim.main_access([p.detach() for p in params], write=False, what="the forward reads a parameter")
+
+
+def simulated(seed, make_opt, dtype, **kwargs):
+    sims = []
+
+    def factory(device):
+        sims.append(SimulatedRuntime(device, seed=seed + 1000 * len(sims)))
+        return sims[-1]
+
+    with runtime.simulate(factory):
+        result = train(make_opt, dtype, sim=_LatestSim(sims), **kwargs)
+    assert sims and all(sim.ops_run > 0 and sim.checked > 0 for sim in sims)  # the device side did run
+    return result
+
+
+class _LatestSim:
+    """The simulator of the optimizer's current engine: made at its first step, and again when
+    load_state_dict places every state afresh (before the first one there is nothing to record)."""
+
+    def __init__(self, sims):
+        self.sims = sims
+
+    def main_access(self, *args, **kwargs):
+        if self.sims:
+            self.sims[-1].main_access(*args, **kwargs)
+
+    def user_stream(self):
+        return self.sims[-1].user_stream()
+
+
+def assert_equal_runs(got, want):
+    (got_params, got_seen), (want_params, want_seen) = got, want
+    for a, b in zip(got_params, want_params):
+        assert torch.equal(a, b)
+    assert len(got_seen) == len(want_seen)
+    for step, (g, w) in enumerate(zip(got_seen, want_seen)):
+        for pid, (gs, ws) in enumerate(zip(g, w)):
+            assert gs.keys() == ws.keys()
+            for key in ws:
+                assert torch.equal(gs[key], ws[key]), (step, pid, key)
+
+
+CASES = {
+    "AdamW-fp32": (fusedoff.AdamW, dict(ADAM, amsgrad=True), torch.float32),
+    "AdamW-bf16-master": (fusedoff.AdamW, ADAM, torch.bfloat16),
+    "Adam-fp32": (fusedoff.Adam, ADAM, torch.float32),
+    "Apollo-constant-L2": (fusedoff.Apollo, dict(APOLLO, rebound="constant", weight_decay_type="L2"), torch.float32),
+    "Apollo-belief-stable-bf16": (fusedoff.Apollo, dict(APOLLO, rebound="belief", weight_decay_type="stable"),
+                                  torch.bfloat16),
+    "Apollo-belief-decoupled": (fusedoff.Apollo, dict(APOLLO, rebound="belief", weight_decay_type="decoupled"),
+                                torch.float32),
+}
+PLACEMENTS = {
+    "streamed": dict(offload="stream", chunk_size=32),
+    # 2000 bytes: some tensors of each case stay resident (8-16 bytes of state per element), the rest stream.
+    "mixed": dict(offload="stream", chunk_size=32, device_budget=2000),
+}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_simulated_device_equals_the_host_loopback(case, placement):
+    cls, kwargs, dtype = CASES[case]
+
+    def make(groups):
+        return cls(groups, **kwargs, **PLACEMENTS[placement], backend="cpu")
+
+    extras = dict(scaler_skip=1, clip_at=2, load_at=3, user_stream_at=4)
+    want = train(make, dtype, **extras)
+    if cls is not fusedoff.Apollo:  # elementwise: streaming changes nothing at all
+        resident = train(lambda groups: cls(groups, **kwargs, offload="none", backend="cpu"), dtype, **extras)
+        assert_equal_runs(want, resident)
+    for seed in SEEDS:
+        assert_equal_runs(simulated(seed, make, dtype, **extras), want)
+
+
+def test_auto_decides_the_budget_from_the_simulated_device_memory():
+    needed = 8 * sum(torch.Size(s).numel() for s in SHAPES)  # AdamW fp32: two states
+
+    def factory(device):
+        # 90% of the total, less the peak, leaves room for all but 100 bytes of the states.
+        return SimulatedRuntime(device, seed=0, total_memory=100_000, peak_memory=90_000 - needed + 100)
+
+    with runtime.simulate(factory):
+        params = make_params(torch.float32)
+        opt = fusedoff.AdamW(params, chunk_size=32)  # offload="auto"
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        stats = opt.memory_stats()
+    # Not everything fits: the budget is what is left after the streaming buffers.
+    buffers = 2 * 2 * 32 * 4
+    assert stats["device_budget"] == needed - 100 - buffers
+    assert 0 < stats["resident_bytes"] <= stats["device_budget"] and stats["streamed_bytes"] > 0
+    assert stats["host_pinned"]
+
+
+def test_the_race_checker_reports_an_unordered_pair_and_accepts_an_ordered_one():
+    sim = SimulatedRuntime(torch.device("cpu"), seed=0)
+    a, b = sim.new_stream(), sim.new_stream()
+    buffer, host = torch.zeros(64), torch.ones(64)
+    sim.copy(a, buffer, host)
+    with pytest.raises(RaceError, match=r"write by 'copy of \(64,\) on side stream 1'.*read by 'kernel"):
+        sim.launch(b, lambda: None, reads=[buffer[16:32]])
+    sim.wait_event(b, sim.record(a))
+    sim.launch(b, lambda: None, reads=[buffer[16:32]])  # ordered now
+    sim.drain()
+    assert torch.equal(buffer, host)
+    # The host reading what a side stream writes needs a synchronisation.
+    sim.copy(a, host, buffer)
+    with pytest.raises(RaceError, match="host"):
+        sim.host_access([host], write=False)
+
+
+def test_copies_land_late_but_before_their_event_completes():
+    landed_early = 0
+    for seed in range(20):
+        sim = SimulatedRuntime(torch.device("cpu"), seed=seed)
+        stream = sim.new_stream()
+        dst, src = torch.zeros(4), torch.arange(4.0)
+        sim.copy(stream, dst, src)
+        landed_early += int(torch.equal(dst, src))
+        event = sim.record(stream)
+        sim.synchronize(event)
+        assert torch.equal(dst, src)
+    assert 0 < landed_early < 20  # sometimes visible at once, sometimes only later
