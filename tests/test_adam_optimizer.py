@@ -194,29 +194,30 @@ def _dense_layouts():
             torch.randn(7, generator=gen)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master"])
 @pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
 @pytest.mark.parametrize("placement", [dict(offload="none"), dict(offload="stream", chunk_size=32),
-                                       dict(offload="stream", chunk_size=32, device_budget=4 * 2 * 12)],
+                                       dict(offload="stream", chunk_size=32, device_budget=4 * 3 * 12)],
                          ids=["resident", "streamed", "mixed"])
-def test_dense_parameters_of_any_layout_step_as_their_contiguous_copies(backend, placement):
+def test_dense_parameters_of_any_layout_step_as_their_contiguous_copies(backend, placement, dtype):
     """Non-contiguous but dense parameters (torch updates them) step exactly as the same values laid
     out contiguously (elementwise math: bit for bit), with states of the parameter's own strides,
     resident or streamed; gradients may come in another layout."""
-    ours = [torch.nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in _dense_layouts()]
-    plain = [torch.nn.Parameter(t.contiguous()) for t in _dense_layouts()]
+    ours = [torch.nn.Parameter(t.to(dtype).clone(memory_format=torch.preserve_format)) for t in _dense_layouts()]
+    plain = [torch.nn.Parameter(t.to(dtype).contiguous()) for t in _dense_layouts()]
     opt = fusedoff.AdamW(ours, lr=1e-2, weight_decay=0.1, backend=backend, **placement)
     plain_opt = fusedoff.AdamW(plain, lr=1e-2, weight_decay=0.1, backend=backend, offload="none")
     gen = torch.Generator().manual_seed(4)
     for step in range(4):
         for a, b in zip(ours, plain):
-            g = torch.randn(a.shape, generator=gen)
+            g = torch.randn(a.shape, generator=gen).to(dtype)
             a.grad = g.clone() if step % 2 else torch.empty_like(a).copy_(g)  # its strides, or contiguous
             b.grad = g.clone()
         opt.step()
         plain_opt.step()
     for a, b in zip(ours, plain):
         assert torch.equal(a, b)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq") + (("master_param",) if dtype == torch.bfloat16 else ()):
             state = opt.state[a][key]
             assert state.shape == a.shape and state.stride() == a.stride()
             assert torch.equal(state, plain_opt.state[b][key])

@@ -84,20 +84,22 @@ class StateLayout:
             if self.resident[t]:
                 state[name] = placed[name][t] = self._resident_state(name, param, value)
                 continue
-            flat = self.store.view(name, t)
+            local_param = local_tensor(param)
+            # The state has the parameter's strides: the store holds it in the parameter's memory order.
+            shaped = self.store.view(name, t).as_strided(local_param.shape, local_param.stride())
             # The previous step's copies back cover whole chunks, this tensor's part included.
             self.before_host_write()
-            self.runtime.host_access([flat], write=True, what=f"{name} of tensor {t} set by the host")
+            self.runtime.host_access([shaped], write=True, what=f"{name} of tensor {t} set by the host")
             if value is None:
                 start = self.initial(name, param)
-                flat.copy_(local_tensor(start).reshape(-1)) if start is not None else flat.zero_()
+                shaped.copy_(local_tensor(start)) if start is not None else shaped.zero_()
             else:
                 local = local_tensor(value)
-                if local.numel() != flat.numel():
-                    raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has {flat.numel()}")
-                flat.copy_(local.reshape(-1))
-            local_param = local_tensor(param)  # the state has the parameter's strides (its memory order)
-            state[name] = placed[name][t] = like_param(flat.as_strided(local_param.shape, local_param.stride()), param)
+                if local.numel() != shaped.numel():
+                    raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has "
+                                     f"{shaped.numel()}")
+                shaped.copy_(local.reshape(local_param.shape))
+            state[name] = placed[name][t] = like_param(shaped, param)
 
     def _resident_state(self, name: str, param: Tensor, value: Tensor | None) -> Tensor:
         if value is None:

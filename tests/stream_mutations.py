@@ -1,0 +1,108 @@
+"""Proof that the stream simulation can fail: remove each single wait or event record of the engine.
+
+For every line of fusedoff/offload/pipeline.py and engine.py that orders device work (a wait on an
+event or a stream, an event record, a host synchronisation, the main stream's join, the host's
+wait before writing into the store), this script copies the package to a scratch folder, removes
+that one line's effect, runs tests/test_stream_simulation.py against the copy, and reports whether
+the tests failed (caught: by the race checker, or by a wrong value) or passed (missed).
+
+    .venv/bin/python tests/stream_mutations.py            # prints "N of M single-wait removals caught"
+
+Exit status 0 when every removal is caught. It takes a few minutes (a missed removal runs the
+whole simulation file); it is not part of every CI run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py")
+# (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
+RULES = (
+    (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)([\w\[\]\.\(\)]+) = (rt|self\.runtime)\.record\(.*\)\s*(#.*)?$"), r"\1\2 = None  # MUTATED"),
+    (re.compile(r"^(\s*)self\.runtime\.synchronize\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)self\.before_host_write\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)layout\.pipeline\.join\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)pipeline\.wait_host\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+)
+
+
+@dataclass
+class Mutation:
+    path: str
+    line: int  # 1-based
+    original: str
+    mutated: str
+
+
+def mutations() -> list[Mutation]:
+    out = []
+    for path in TARGETS:
+        for number, line in enumerate((ROOT / path).read_text().splitlines(), start=1):
+            for pattern, replacement in RULES:
+                if pattern.match(line):
+                    out.append(Mutation(path, number, line.strip(), pattern.sub(replacement, line)))
+                    break
+    return out
+
+
+def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
+    """(caught, how) for one mutation applied to a copy of the package in `scratch`."""
+    package = scratch / "fusedoff"
+    if package.exists():
+        shutil.rmtree(package)
+    shutil.copytree(ROOT / "fusedoff", package, ignore=shutil.ignore_patterns("__pycache__"))
+    target = scratch / mutation.path
+    lines = target.read_text().splitlines()
+    lines[mutation.line - 1] = mutation.mutated
+    target.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{scratch}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    where = subprocess.run([sys.executable, "-c", "import fusedoff; print(fusedoff.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=scratch)
+    if not where.stdout.startswith(str(scratch)):
+        raise SystemExit(f"the scratch copy is not the one imported ({where.stdout.strip()} {where.stderr[-500:]})")
+    # The test file and an empty pytest configuration in the scratch folder: the project's own
+    # configuration would put the repository (and its unmutated package) first on sys.path.
+    (scratch / "tests").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "tests" / "test_stream_simulation.py", scratch / "tests")
+    (scratch / "pytest.ini").write_text("[pytest]\n")
+    test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "-c", "pytest.ini", "-x",
+                           "-q", "-p", "no:cacheprovider", "-k", "host_loopback"],
+                          env=env, capture_output=True, text=True, cwd=scratch)
+    if "fusedoff" not in test.stdout + test.stderr and test.returncode not in (0, 1):
+        raise SystemExit(f"pytest did not run: {test.stdout[-2000:]} {test.stderr[-2000:]}")
+    if test.returncode == 0:
+        return False, "the simulation tests passed"
+    output = test.stdout + test.stderr
+    failed = re.search(r"FAILED (\S+)", output)
+    kind = "race reported" if "RaceError" in output else ("deadlock" if "deadlock" in output else "wrong values")
+    return True, f"{kind} ({failed.group(1).split('::')[-1] if failed else 'collection failed'})"
+
+
+def main() -> int:
+    found = mutations()
+    caught = 0
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fusedoff_mut_") as scratch:
+        for i, mutation in enumerate(found, start=1):
+            ok, how = run(mutation, Path(scratch))
+            caught += ok
+            print(f"[{i}/{len(found)}] {'caught' if ok else 'MISSED'}: {mutation.path}:{mutation.line} "
+                  f"`{mutation.original}` -> {how}", flush=True)
+    print(f"{caught} of {len(found)} single-wait removals caught ({time.perf_counter() - start:.0f} s)")
+    return 0 if caught == len(found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
