@@ -155,6 +155,31 @@ def test_simulated_device_equals_the_host_loopback(case, placement):
         assert_equal_runs(simulated(seed, make, dtype, **extras), want)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_pass_starting_at_a_later_chunk_waits_for_the_stores_previous_pass(seed):
+    """Two 32-element tensors, one chunk each: when only the second steps, its chunk goes to buffer
+    set 0, whose last copy back was the first chunk's, not its own: the copy in must wait for the
+    store's previous pass, not only for the buffer set."""
+    def make(groups):
+        return fusedoff.AdamW([p for g in groups for p in g["params"]], lr=1e-2, offload="stream", chunk_size=32)
+
+    def run(sim_factory=None):
+        params = [torch.nn.Parameter(torch.full((32,), float(i + 1))) for i in range(2)]
+        opt = make([{"params": params}])
+        for step in range(6):
+            params[0].grad = torch.full((32,), 0.1) if step % 2 == 0 else None  # sits out every other step
+            params[1].grad = torch.full((32,), -0.2 * (step + 1))
+            opt.step()
+        return [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params]
+
+    want = run()
+    sims = []
+    with runtime.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
+        got = run()
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)
+
+
 def test_auto_decides_the_budget_from_the_simulated_device_memory():
     needed = 8 * sum(torch.Size(s).numel() for s in SHAPES)  # AdamW fp32: two states
 
