@@ -26,7 +26,7 @@ if not _flags_were_frozen:
     # Importing torch's test utilities forbids, for the whole process, plain assignments such as
     # `torch.backends.cudnn.benchmark = False` (torch's own suite wants them bracketed), which
     # Lightning's and Hugging Face's trainers make: allow them again.
-    vars(torch.backends)["__allow_nonbracketed_mutation_flag"] = True
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
 OPTIMIZERS = {"Adam": (fusedoff.Adam, torch.optim.Adam), "AdamW": (fusedoff.AdamW, torch.optim.AdamW)}
 OPTIM_INFO = {info.name: info for info in common_optimizers.optim_db if info.name in OPTIMIZERS}
@@ -379,3 +379,7 @@ def test_only_grad_scaler_is_told_that_the_step_unscales():
             return getattr(optimizer, "_step_supports_amp_scaling", False)
 
     assert Scaler("cpu").asks(opt) is True
+
+
+def test_importing_torchs_test_utilities_leaves_backend_flags_assignable():
+    assert torch.backends.flags_frozen() == _flags_were_frozen
