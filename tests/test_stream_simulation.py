@@ -29,23 +29,23 @@ ADAM = dict(lr=1e-2, weight_decay=0.1)
 APOLLO = dict(lr=1e-2, warmup=2, weight_decay=0.01)
 
 
-def make_params(dtype):
+def make_params(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
 
 
 def train(make_opt, dtype, *, steps=5, sim=None, scaler_skip=None, clip_at=None, load_at=None,
-          user_stream_at=None, read_state=True):
+          user_stream_at=None, read_state=True, device="cpu"):
     """Trains, doing between steps what training code does; returns the parameters and every
     state as read right after each step."""
-    params = make_params(dtype)
+    params = make_params(dtype, device)
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-3}]  # two buckets share the pipeline
     opt = make_opt(groups)
     gen = torch.Generator().manual_seed(1)
     seen = []
     for step in range(steps):
         for i, p in enumerate(params):
-            grad = (torch.randn(p.shape, generator=gen) * 0.1).to(dtype)
+            grad = (torch.randn(p.shape, generator=gen) * 0.1).to(device, dtype)
             if p.grad is None or i % 2:
                 p.grad = grad
             else:
@@ -53,13 +53,19 @@ def train(make_opt, dtype, *, steps=5, sim=None, scaler_skip=None, clip_at=None,
             if sim is not None:
                 sim.main_access([p.grad], write=True, what="backward writes a gradient")
         if step == scaler_skip:  # GradScaler found an inf: the step changes nothing
-            opt.grad_scale, opt.found_inf = torch.full((), 8.0), torch.ones(())
+            opt.grad_scale, opt.found_inf = torch.full((), 8.0, device=device), torch.ones((), device=device)
         if step == clip_at:
             opt.clip_grad_norm_(0.05)
         if step == user_stream_at and sim is not None:
             with sim.user_stream():
                 opt.step()
                 after_step(params, sim)
+        elif step == user_stream_at and device != "cpu":  # the same on a real GPU
+            user = torch.cuda.Stream(device)
+            user.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(user):
+                opt.step()
+            torch.cuda.current_stream(device).wait_stream(user)
         else:
             opt.step()
             after_step(params, sim)
@@ -153,6 +159,27 @@ def test_simulated_device_equals_the_host_loopback(case, placement):
         assert_equal_runs(want, resident)
     for seed in SEEDS:
         assert_equal_runs(simulated(seed, make, dtype, **extras), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_runtime_runs_the_same_cases(case, placement):
+    """The simulated cases on a real GPU: streamed and mixed runs against the resident run on the
+    same device (bit for bit for the elementwise Adam; Apollo to fp32 reduction order)."""
+    cls, kwargs, dtype = CASES[case]
+    extras = dict(scaler_skip=1, clip_at=2, load_at=3, user_stream_at=4, device="cuda")
+    got = train(lambda groups: cls(groups, **kwargs, **PLACEMENTS[placement], backend="cuda"), dtype, **extras)
+    want = train(lambda groups: cls(groups, **kwargs, offload="none", backend="cuda"), dtype, **extras)
+    if cls is not fusedoff.Apollo:
+        assert_equal_runs(got, want)
+        return
+    for a, b in zip(got[0], want[0]):  # the masters differ in the order of their partial sums only
+        torch.testing.assert_close(a.float(), b.float(), rtol=torch.finfo(dtype).eps, atol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        for gs, ws in zip(g, w):
+            for key in ws:
+                torch.testing.assert_close(gs[key].float(), ws[key].float(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
