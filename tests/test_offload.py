@@ -127,28 +127,22 @@ def test_adam_streamed_equals_resident(backend, device, cls, kwargs, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-master"])
 @pytest.mark.parametrize("chunk_size", [48, 1024], ids=["mixed-chunks", "resident-chunk"])
 def test_apollo_streamed_matches_resident(backend, device, rebound, decay_type, dtype, chunk_size):
-    """Whole-tensor sums gathered across chunks: equal to the resident run up to the order of the
-    partial sums (fp32 reduction order). With 48-element chunks the first and last hold only whole
-    tensors (every phase while resident) and the others pieces of tensors spanning chunks (a
-    pass per phase); with 1024 every tensor is whole in one chunk."""
+    """Whole-tensor sums gathered across chunks. With 48-element chunks the first and last hold only
+    whole tensors (every phase in one visit) and the others pieces of tensors spanning chunks (a
+    pass per phase); with 1024 every tensor is whole in one chunk. The partial sums of a tensor are
+    added into its float64 stats in chunk order, which here gives the resident run's bits exactly
+    (measured: 0 difference in every state and parameter), so equality is required."""
     kwargs = dict(lr=1e-2, warmup=2, weight_decay=0.01, rebound=rebound, weight_decay_type=decay_type)
     ref_params, ref = run(lambda ps: fusedoff.Apollo(ps, backend=backend, offload="none", **kwargs), dtype, 5,
                           device=device)
     got_params, got = run(lambda ps: fusedoff.Apollo(ps, backend=backend, offload="stream", chunk_size=chunk_size,
                                                      **kwargs), dtype, 5, device=device)
-    eps = torch.finfo(torch.float32).eps
     for a, b in zip(got_params, ref_params):
-        if a.numel():
-            # bf16 params are rounded masters: compare the masters below; here one bf16 ulp.
-            tol = 10 * eps if dtype == torch.float32 else torch.finfo(torch.bfloat16).eps
-            assert relative_l2_error([a.float()], [b.float()]) <= tol
+        assert torch.equal(a, b)
     want = all_states(ref)
     for pid, state in all_states(got).items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel():
-                assert relative_l2_error([value], [want[pid][key]]) <= 100 * eps, (pid, key)
-            else:
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(want[pid][key])), (pid, key)
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(want[pid][key])), (pid, key)
 
 
 def test_streamed_checkpoint_moves_to_torch_and_back():
