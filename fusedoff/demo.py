@@ -9,6 +9,9 @@ upcast with ``.float()``), ``fusedoff.AdamW`` keeps its states and masters in ho
 streams them (offload="stream"). On a CPU both train in fp32 with the C++ cpu backend.
 ``--optimizer apollo`` compares ``fusedoff.Apollo`` with the eager reference Apollo
 (``fusedoff.kernels.reference.ApolloReference``) in the same way.
+
+After training, the optimizer step itself is timed with the two optimizers alternating round by
+round (see ``time_steps``), beside the forward and backward passes of the same training steps.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the `demo` extra; without it the runs show no progress bars
+    tqdm = None
 
 import fusedoff
 from fusedoff import memory
@@ -52,6 +59,9 @@ APOLLO_WARMUP = 50
 EARLY_STEPS = 10
 EARLY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-3}
 WINDOW_TOLERANCE = 0.05
+# Rounds of the step timing after training: each round times one training step of each run.
+TIMING_ROUNDS = 50
+QUANTILES = (0.1, 0.9)
 
 
 NOUNS = [("cat", "cats"), ("dog", "dogs"), ("bird", "birds"), ("farmer", "farmers"), ("child", "children"),
@@ -197,15 +207,31 @@ def make_optimizer(which: str, model: nn.Module, cfg: Config):
 
 @dataclass
 class Run:
+    name: str
+    model: nn.Module
+    opt: object  # zero_grad() and step()
+    batches: torch.Generator  # the run's stream of batch indices, the same in both runs
     losses: list[float]
-    ms_per_step: float
     measured: memory.MeasuredRun
     memory_problems: list[str]  # where the optimizer's memory_stats() differ from the prediction
+    # time_steps: per round, milliseconds of the forward and backward passes, and of the step
+    forward_backward_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def next_batch(corpus: torch.Tensor, cfg: Config, gen: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, len(corpus) - cfg.context - 1, (cfg.batch,), generator=gen)
+    return torch.stack([corpus[i : i + cfg.context + 1] for i in idx.tolist()]).to(cfg.device)
+
+
+def forward(model: nn.Module, batch: torch.Tensor, vocab: int) -> torch.Tensor:
+    logits = model(batch[:, :-1]).float()
+    return nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
 
 
 def train(which: str, cfg: Config, corpus: torch.Tensor, vocab: int) -> Run:
@@ -216,30 +242,24 @@ def train(which: str, cfg: Config, corpus: torch.Tensor, vocab: int) -> Run:
     model = TinyLM(vocab, cfg.model_size, cfg.layers, 4, cfg.context).to(device=cfg.device, dtype=cfg.dtype)
     opt, prediction = make_optimizer(which, model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    # The first steps create states, buffers and kernels' caches: time the steady state.
-    timed_from = min(5, cfg.steps - 1)
-    start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc=f"{name:<33}", file=sys.stderr, disable=None, leave=False)
-    for step in bar:
-        if step == timed_from:
-            synchronize(cfg.device)
-            start = time.perf_counter()
-        idx = torch.randint(0, len(corpus) - cfg.context - 1, (cfg.batch,), generator=gen)
-        batch = torch.stack([corpus[i : i + cfg.context + 1] for i in idx.tolist()]).to(cfg.device)
+    bar = None if tqdm is None else tqdm(total=cfg.steps, desc=f"{name:<33}", file=sys.stderr, disable=None,
+                                         leave=False)
+    for step in range(cfg.steps):
+        batch = next_batch(corpus, cfg, gen)
         opt.zero_grad(set_to_none=True)
         with report.phase("forward"):
-            logits = model(batch[:, :-1]).float()
-            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
-            del logits  # autograd keeps what backward needs; the name would keep it alive past it
+            loss = forward(model, batch, vocab)  # its logits die on return: autograd keeps what backward needs
         with report.phase("backward"):
             loss.backward()
         with report.phase("step"):
             opt.step()
         loss_log[step] = loss.detach()
-        if step % 10 == 0 or step == cfg.steps - 1:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    synchronize(cfg.device)
-    ms_per_step = (time.perf_counter() - start) * 1e3 / (cfg.steps - timed_from)
+        if bar is not None:
+            bar.update()
+            if step % 10 == 0 or step == cfg.steps - 1:
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+    if bar is not None:
+        bar.close()
     notes, problems = [], []
     if which == "fusedoff":
         stats = opt.memory_stats()
@@ -248,7 +268,58 @@ def train(which: str, cfg: Config, corpus: torch.Tensor, vocab: int) -> Run:
         notes.append(f"{name}.memory_stats(): host {stats['host_bytes'] / memory.MIB:.2f} MiB{pinned}, device "
                      f"{stats['device_bytes'] / memory.MIB:.2f} MiB: "
                      + ("as predicted" if not problems else "DIFFERS from the prediction: " + "; ".join(problems)))
-    return Run(loss_log.tolist(), ms_per_step, memory.MeasuredRun(name, prediction, report, notes), problems)
+    return Run(name, model, opt, gen, loss_log.tolist(), memory.MeasuredRun(name, prediction, report, notes),
+               problems)
+
+
+def time_steps(runs: list[Run], cfg: Config, corpus: torch.Tensor, vocab: int, rounds: int) -> None:
+    """Times the optimizer step itself, and the forward and backward passes before it, round by
+    round with the runs alternating (A B, B A, ...): a machine that slows down or speeds up during
+    the timing (other processes, clocks, caches) weighs on both runs alike, where two runs timed one
+    after the other can differ several times over on a busy machine. The optimizers are warm
+    (states, buffers and kernels made during training); on a GPU each interval ends with a
+    synchronisation."""
+    for r in range(rounds):
+        for run in runs if r % 2 == 0 else runs[::-1]:
+            batch = next_batch(corpus, cfg, run.batches)
+            run.opt.zero_grad(set_to_none=True)
+            synchronize(cfg.device)
+            start = time.perf_counter()
+            forward(run.model, batch, vocab).backward()
+            synchronize(cfg.device)
+            stepped = time.perf_counter()
+            run.opt.step()
+            synchronize(cfg.device)
+            run.forward_backward_ms.append((stepped - start) * 1e3)
+            run.step_ms.append((time.perf_counter() - stepped) * 1e3)
+
+
+def quantile(samples: list[float], q: float) -> float:
+    """The q-quantile, interpolating linearly between order statistics."""
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread(samples: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    """``median [q10-q90]``."""
+    low, high = (quantile(samples, q) * scale for q in QUANTILES)
+    return f"{quantile(samples, 0.5) * scale:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
+def print_step_times(baseline: Run, ours: Run) -> None:
+    low, high = (f"{q:.0%}" for q in QUANTILES)
+    print(f"\noptimizer step alone, the two runs alternating for {len(ours.step_ms)} rounds after training "
+          f"(median [{low}-{high}]):")
+    for run in (baseline, ours):
+        whole = [s + fb for s, fb in zip(run.step_ms, run.forward_backward_ms)]
+        shares = [s / w for s, w in zip(run.step_ms, whole)]
+        print(f"  {run.name:<33} step {spread(run.step_ms)} ms, {spread(shares, 100, 1)}% of its training step "
+              f"({quantile(whole, 0.5):.1f} ms)")
+    ratios = [o / b for o, b in zip(ours.step_ms, baseline.step_ms)]
+    print(f"  {ours.name} / {baseline.name}, round by round: {spread(ratios)}x")
 
 
 def warm_up(cfg: Config, vocab: int) -> None:
@@ -312,10 +383,13 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--tolerance", type=float, default=WINDOW_TOLERANCE,
                         help="largest allowed relative difference of the two runs' windowed mean losses")
     parser.add_argument("--window", type=int, default=50, help="steps per window of the loss comparison")
-    parser.add_argument("--plot", metavar="PATH", help="write predicted vs measured memory per phase as a PNG")
+    parser.add_argument("--timing-rounds", type=int, default=TIMING_ROUNDS,
+                        help="training steps of each run timed after training, the two runs alternating")
+    parser.add_argument("--plot", metavar="PATH", help="write predicted vs measured memory per phase as a PNG "
+                                                       "(needs matplotlib)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.window < 1:
-        parser.error("--steps and --window must be at least 1")
+    if args.steps < 1 or args.window < 1 or args.timing_rounds < 1:
+        parser.error("--steps, --window and --timing-rounds must be at least 1")
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
@@ -355,13 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     warm_up(cfg, len(chars))
     runs = [train(which, cfg, corpus, len(chars)) for which in ("baseline", "fusedoff")]
     baseline, ours = runs
+    time_steps(runs, cfg, corpus, len(chars), args.timing_rounds)
 
     print(f"\n{'step':>6} {baseline_name:>33} {ours_name:>16}")
     for step in sorted(set(range(0, cfg.steps, max(1, cfg.steps // 10))) | {cfg.steps - 1}):
         print(f"{step:>6} {baseline.losses[step]:>33.4f} {ours.losses[step]:>16.4f}")
-    print(f"time per step: {baseline_name} {baseline.ms_per_step:.1f} ms, {ours_name} {ours.ms_per_step:.1f} ms")
     agree = check_agreement(baseline.losses, ours.losses, cfg.dtype, args.window, args.tolerance)
     print(f"the two runs agree: {'OK' if agree else 'FAIL'}")
+    print_step_times(baseline, ours)
 
     print()
     predictions = [ours.measured.prediction, baseline.measured.prediction]

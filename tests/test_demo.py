@@ -8,7 +8,7 @@ import torch
 
 from fusedoff import demo
 
-TINY = ["--steps", "8", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "4"]
+TINY = ["--steps", "8", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "4", "--timing-rounds", "3"]
 
 
 def run_demo(capsys, *extra):
@@ -24,6 +24,20 @@ def test_demo_runs_and_the_two_optimizers_agree(capsys):
     for phase in ("forward", "backward", "step"):
         assert f" {phase} " in out
     assert "fp32 gradient copies" in out and "streaming buffers" in out
+    # the step timed alone, the runs alternating: each run's median and spread, its share of a
+    # training step, and the round-by-round ratio
+    assert "the two runs alternating for 3 rounds" in out
+    for name in ("torch.optim.AdamW", "fusedoff.AdamW"):
+        line = next(line for line in out.splitlines() if line.startswith(f"  {name} ") and " step " in line)
+        assert "% of its training step" in line, line
+    assert "fusedoff.AdamW / torch.optim.AdamW, round by round: " in out
+
+
+def test_quantiles_interpolate_between_order_statistics():
+    samples = [4.0, 1.0, 3.0, 2.0, 5.0]
+    assert [demo.quantile(samples, q) for q in (0.0, 0.1, 0.5, 0.9, 1.0)] == pytest.approx([1.0, 1.4, 3.0, 4.6, 5.0])
+    assert demo.quantile([7.0], 0.9) == 7.0
+    assert demo.spread([1.0, 2.0, 3.0]) == "2.00 [1.20-2.80]"
 
 
 def test_demo_fails_loudly_when_an_update_is_ten_percent_off(capsys, monkeypatch):
