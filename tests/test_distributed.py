@@ -235,8 +235,6 @@ def test_fsdp2_matches_one_process(runs, single, name):
     # The oracle: the same optimizer family's torch/eager implementation, sharded vs one process.
     allowed = 2 * max_error(sharded[oracle_for(name)], whole[oracle_for(name)]) + 1e-6
     assert max_error(sharded[name], whole[name]) <= allowed
-    # Both ranks hold the same gathered parameters.
-    assert max_error(runs[1]["fsdp"][name], sharded[name]) == 0
 
 
 @pytest.mark.parametrize("name", [n for n in FUSED if n.endswith("stream")])
