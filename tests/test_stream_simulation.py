@@ -207,6 +207,32 @@ def test_a_pass_starting_at_a_later_chunk_waits_for_the_stores_previous_pass(see
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_host_writes_into_the_store_wait_for_the_copies_back(seed):
+    """Two 16-element tensors share a chunk. The second steps for the first time (its states are
+    created in host memory) and the first has its state deleted (created afresh), each right after
+    a step whose copy back of that chunk may still be queued: the host must wait for it, or the
+    late copy overwrites the new states with the chunk's old contents."""
+    def run():
+        params = [torch.nn.Parameter(torch.full((16,), float(i + 1), dtype=torch.bfloat16)) for i in range(2)]
+        opt = fusedoff.AdamW(params, lr=1e-2, offload="stream", chunk_size=32)
+        for step in range(5):
+            params[0].grad = torch.full((16,), 0.1 * (step + 1), dtype=torch.bfloat16)
+            params[1].grad = torch.full((16,), -0.2, dtype=torch.bfloat16) if step >= 2 else None
+            opt.step()
+            if step == 3:
+                del opt.state[params[0]]  # no read of the state: nothing has waited for the copies back
+        return [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params
+                                                       for k in ("exp_avg", "master_param")]
+
+    want = run()
+    sims = []
+    with runtime.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
+        got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_auto_decides_the_budget_from_the_simulated_device_memory():
     needed = 8 * sum(torch.Size(s).numel() for s in SHAPES)  # AdamW fp32: two states
 
