@@ -1,13 +1,20 @@
 # The README's two commands: `make demo` and `make test`. Both set everything up from nothing:
-# a virtual environment in .venv with the pinned torch, and fusedoff built in place (C++ always,
-# CUDA whenever a toolkit is found; FUSEDOFF_CUDA=0|1 forces it off/on, see fusedoff/_build.py).
+# a virtual environment in .venv with the exact versions of constraints.txt, and fusedoff built in
+# place (C++ always, CUDA whenever a toolkit is found; FUSEDOFF_CUDA=0|1 forces it off/on, see
+# fusedoff/_build.py). `make test-oldest` runs the CPU suite again on the oldest supported torch.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fusedoff-installed
+# The oldest supported torch (constraints-oldest.txt) and the build tools, in a venv of its own.
+OLDEST := .venv-oldest
+OLDEST_SUITE := build/oldest-suite
+# The `test` extra's requirements, read from the installed fusedoff's own metadata.
+TEST_EXTRA = $$($(OLDEST)/bin/python -c 'from importlib.metadata import requires; \
+	print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"test\"" in r))')
 SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu')
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-oldest install bench clean
 
 demo: $(STAMP)
 	$(BIN)/python -m fusedoff.demo $(ARGS)
@@ -19,16 +26,30 @@ install: $(STAMP)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	# torch first and pinned, so pip takes the local build and never a different release
-	$(BIN)/pip install --quiet torch==2.14.1
-	$(BIN)/pip install --quiet "setuptools>=64" wheel ninja pybind11 pytest numpy tqdm matplotlib
+	# torch and the build tools first: `--no-build-isolation` below builds against them
+	$(BIN)/pip install --quiet -c constraints.txt torch setuptools ninja
 
-$(STAMP): $(BIN)/python $(SOURCES)
-	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip install --no-build-isolation --no-deps -e . 
+$(STAMP): $(BIN)/python $(SOURCES) constraints.txt
+	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip install --no-build-isolation -c constraints.txt -e ".[test,demo]"
 	touch $@
 
+# 1. tests/test_packaging.py builds the sdist and installs it into $(OLDEST) as a user would
+#    (pip install --no-build-isolation beside their torch), C++ only: the CUDA sources are make test's;
+# 2. the suite runs from a copy of the tests without the source package, so `import fusedoff` is
+#    that installed one (tests/test_packaging.py itself needs the source tree and ran in 1).
+test-oldest: $(STAMP) $(OLDEST)/bin/python
+	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py $(ARGS)
+	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
+	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml $(OLDEST_SUITE)/
+	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py $(ARGS)
+
+$(OLDEST)/bin/python:
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet -c constraints-oldest.txt torch setuptools
+	$(OLDEST)/bin/pip install --quiet -c constraints.txt ninja
+
 bench: $(STAMP)
-	$(BIN)/pip install --quiet matplotlib
+	$(BIN)/pip install --quiet -c constraints.txt matplotlib
 	$(BIN)/python benchmarks/bench_step.py --device cpu $(ARGS)
 
 clean:

@@ -2,13 +2,20 @@
 
 See fusedoff/_build.py for the environment switches (CUDA_HOME, FUSEDOFF_CUDA,
 TORCH_CUDA_ARCH_LIST, MAX_JOBS). Install with ``pip install --no-build-isolation -e .`` so the
-build uses the torch you run with.
+build uses the torch you run with. The version comes from ``fusedoff/__init__.py`` (pyproject.toml).
 """
 
 import importlib.util
 from pathlib import Path
 
+import setuptools
 from setuptools import find_packages, setup
+
+# Older setuptools rejects pyproject.toml's SPDX license string with an unhelpful validation error;
+# under --no-build-isolation the build uses whatever setuptools the environment has.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    raise SystemExit(f"fusedoff: building needs setuptools>=77, this environment has {setuptools.__version__}: "
+                     "pip install 'setuptools>=77' ninja")
 
 _spec = importlib.util.spec_from_file_location("fusedoff_build", Path(__file__).parent / "fusedoff" / "_build.py")
 build = importlib.util.module_from_spec(_spec)
