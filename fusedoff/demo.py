@@ -154,6 +154,7 @@ class Config:
     batch: int
     lr: float
     seed: int
+    device_budget: int | None = None
 
     @property
     def low_precision(self) -> bool:
@@ -161,7 +162,9 @@ class Config:
 
     @property
     def streams(self) -> bool:
-        return self.offload == "stream" or (self.offload == "auto" and self.device.type == "cuda")
+        """The demo streams on a GPU (a model this small would fit: 'auto' would keep it resident)."""
+        return (self.offload == "stream" or (self.offload == "auto" and self.device.type == "cuda")
+                or self.device_budget is not None)
 
 
 def optimizer_names(cfg: Config) -> tuple[str, str]:
@@ -180,19 +183,21 @@ def predict(params, setup: str, cfg: Config, offload: str | None = None) -> memo
     label = {"fusedoff": f"fusedoff {offload}", "upcast": f"{baseline} + upcast",
              "plain": f"{baseline} on {str(cfg.dtype).removeprefix('torch.')}"}[setup]
     return memory.predict(params, setup=setup, optimizer=cfg.optimizer, offload=offload, chunk_size=cfg.chunk_size,
-                          device=cfg.device, label=label)
+                          device_budget=cfg.device_budget if offload == "stream" else None, device=cfg.device,
+                          label=label)
 
 
 def make_optimizer(which: str, model: nn.Module, cfg: Config):
     """The optimizer of one run (with zero_grad and step) and the memory prediction of its setup."""
     params = list(model.parameters())
     if which == "fusedoff":
+        placement = dict(offload="stream", device_budget=cfg.device_budget) if cfg.streams else dict(offload="none")
         if cfg.optimizer == "apollo":
-            opt = fusedoff.Apollo(params, lr=cfg.lr, warmup=APOLLO_WARMUP, backend=cfg.backend, offload=cfg.offload,
-                                  chunk_size=cfg.chunk_size)
+            opt = fusedoff.Apollo(params, lr=cfg.lr, warmup=APOLLO_WARMUP, backend=cfg.backend,
+                                  chunk_size=cfg.chunk_size, **placement)
         else:
-            opt = fusedoff.AdamW(params, lr=cfg.lr, weight_decay=0.01, backend=cfg.backend, offload=cfg.offload,
-                                 chunk_size=cfg.chunk_size)
+            opt = fusedoff.AdamW(params, lr=cfg.lr, weight_decay=0.01, backend=cfg.backend,
+                                 chunk_size=cfg.chunk_size, **placement)
         return opt, predict(params, "fusedoff", cfg)
 
     def baseline(tensors):
@@ -265,8 +270,9 @@ def train(which: str, cfg: Config, corpus: torch.Tensor, vocab: int) -> Run:
         stats = opt.memory_stats()
         problems = memory.check_memory_stats(prediction, stats)
         pinned = " (pinned)" if stats["host_pinned"] else ""
-        notes.append(f"{name}.memory_stats(): host {stats['host_bytes'] / memory.MIB:.2f} MiB{pinned}, device "
-                     f"{stats['device_bytes'] / memory.MIB:.2f} MiB: "
+        notes.append(f"{name}.memory_stats(): states on the device {stats['resident_bytes'] / memory.MIB:.2f} MiB, "
+                     f"streamed {stats['streamed_bytes'] / memory.MIB:.2f} MiB{pinned}, device total "
+                     f"{stats['device_bytes'] / memory.MIB:.2f} MiB (budget {stats['device_budget']}): "
                      + ("as predicted" if not problems else "DIFFERS from the prediction: " + "; ".join(problems)))
     return Run(name, model, opt, gen, loss_log.tolist(), memory.MeasuredRun(name, prediction, report, notes),
                problems)
@@ -371,6 +377,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--offload", choices=("auto", "none", "stream"), default="auto",
                         help="fusedoff's states: auto streams from host memory on cuda, keeps them in place on cpu")
     parser.add_argument("--backend", default="auto", help="fusedoff backend: auto, cpu, cuda, triton, torch")
+    parser.add_argument("--device-budget", type=int, default=None, metavar="BYTES",
+                        help="fusedoff keeps this many bytes of states on the device and streams the rest")
     parser.add_argument("--chunk-size", type=int, default=0,
                         help="elements per streamed chunk; 0: an eighth of the parameters (fusedoff's own "
                              "default, 4M elements, is sized for models of billions of parameters)")
@@ -398,7 +406,9 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     sizes = {key: getattr(args, key) or value for key, value in preset.items()}
     cfg = Config(device=device, dtype=dtype, optimizer=args.optimizer, offload=args.offload, backend=args.backend,
                  chunk_size=args.chunk_size, steps=args.steps, lr=args.lr or LEARNING_RATES[args.optimizer],
-                 seed=args.seed, **sizes)
+                 seed=args.seed, device_budget=args.device_budget, **sizes)
+    if args.device_budget is not None and args.offload == "none":
+        raise SystemExit("--device-budget streams what does not fit: not with --offload none")
     return cfg, args
 
 

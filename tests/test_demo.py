@@ -61,8 +61,18 @@ def test_demo_bf16_recipe_of_the_gpu_runs_on_cpu(capsys):
     status, out = run_demo(capsys, "--dtype", "bfloat16", "--offload", "stream")
     assert status == 0, out
     assert "torch.optim.AdamW + fp32 upcast" in out and "offload=stream" in out
-    assert "memory_stats(): host" in out and "as predicted" in out
+    assert "memory_stats(): states on the device 0.00 MiB" in out and "as predicted" in out
     assert "torch + upcast" in out and "torch on bfloat16" in out  # the alternatives' columns
+
+
+def test_demo_device_budget_splits_states_as_predicted(capsys):
+    # 100,000 bytes of the tiny model's 0.21 MiB of AdamW states stay in place, the rest stream.
+    status, out = run_demo(capsys, "--device-budget", "100000")
+    assert status == 0, out
+    line = next(line for line in out.splitlines() if "memory_stats():" in line)
+    resident = float(line.split("states on the device ")[1].split(" MiB")[0])
+    streamed = float(line.split("streamed ")[1].split(" MiB")[0])
+    assert 0 < resident <= 100000 / 2**20 and streamed > 0.05 and "as predicted" in line
 
 
 def test_demo_apollo_against_the_reference(capsys):
