@@ -4,16 +4,25 @@ Nothing here runs at ``import fusedoff``: the first call that needs a native bac
 loads or builds the extension, once per process. When that fails, ``import fusedoff`` and the
 pure-PyTorch backend keep working and the native backends raise ``NativeExtensionUnavailable``
 naming what is missing.
+
+``FUSEDOFF_NO_JIT=1`` never builds: the prebuilt module, else the module an earlier JIT build left in
+torch's extension cache (``TORCH_EXTENSIONS_DIR``), imported as it is, else the error at once. The GPU
+suite builds once in its build stage and sets it for every later stage, so that no stage waits on a
+build's lock or compiles again what failed. ``FUSEDOFF_NO_PREBUILT=1`` passes over the prebuilt module
+(the suite's rehearsal builds with the JIT in a checkout that has one).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import shutil
 import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -38,6 +47,55 @@ def _import_prebuilt() -> tuple[types.ModuleType | None, str]:
     return _C, ""
 
 
+def jit_plan() -> tuple[str, bool]:
+    """The JIT build's module name (one per torch and CUDA version, so that a torch upgrade never
+    reuses a stale binary) and whether it compiles the CUDA sources; raises NativeExtensionUnavailable
+    for a bad CUDA_HOME or FUSEDOFF_CUDA."""
+    try:
+        cuda_home = _build.find_cuda_home() if torch.version.cuda else None
+        with_cuda = torch.version.cuda is not None and _build.cuda_build_requested(cuda_home)
+    except RuntimeError as exc:  # a bad CUDA_HOME or FUSEDOFF_CUDA: say so, and degrade
+        raise NativeExtensionUnavailable(f"fusedoff: cannot build the native extension: {exc}") from exc
+    if with_cuda:
+        _build.prepare_cuda_environment(cuda_home)
+    version_tag = torch.__version__.replace(".", "_").replace("+", "_")
+    return f"fusedoff_C_{version_tag}{'' if with_cuda else '_cpu'}", with_cuda
+
+
+def jit_build_directory(name: str) -> Path:
+    """Where torch's JIT builds and keeps module `name` (its cache layout, without creating it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils import cpp_extension
+
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / name
+
+
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _import_jit_built(prebuilt_reason: str) -> types.ModuleType:
+    """FUSEDOFF_NO_JIT: the module an earlier JIT build linked, or the error at once (no build, no lock)."""
+    name, _ = jit_plan()
+    path = jit_build_directory(name) / f"{name}.so"
+    if not path.is_file():
+        raise NativeExtensionUnavailable(
+            f"fusedoff: FUSEDOFF_NO_JIT is set and no native extension was built: {prebuilt_reason}; no {path}. "
+            "The pure-PyTorch backend (backend='torch') still works."
+        )
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise NativeExtensionUnavailable(f"fusedoff: FUSEDOFF_NO_JIT is set and {path} does not load: {exc}") from exc
+    return module
+
+
 def _jit_build(prebuilt_reason: str) -> types.ModuleType:
     from torch.utils import cpp_extension
 
@@ -54,16 +112,7 @@ def _jit_build(prebuilt_reason: str) -> types.ModuleType:
             "The pure-PyTorch backend (backend='torch') still works."
         )
 
-    try:
-        cuda_home = _build.find_cuda_home() if torch.version.cuda else None
-        with_cuda = torch.version.cuda is not None and _build.cuda_build_requested(cuda_home)
-    except RuntimeError as exc:  # a bad CUDA_HOME or FUSEDOFF_CUDA: say so, and degrade
-        raise NativeExtensionUnavailable(f"fusedoff: cannot build the native extension: {exc}") from exc
-    if with_cuda:
-        _build.prepare_cuda_environment(cuda_home)
-    # One build per torch (and CUDA) version, so a torch upgrade never reuses a stale binary.
-    version_tag = torch.__version__.replace(".", "_").replace("+", "_")
-    name = f"fusedoff_C_{version_tag}{'' if with_cuda else '_cpu'}"
+    name, with_cuda = jit_plan()
     args = _build.compile_args(with_cuda)
     print(
         f"fusedoff: building the native extension {name} (C++{' + CUDA' if with_cuda else ''}) "
@@ -93,10 +142,10 @@ def _jit_build(prebuilt_reason: str) -> types.ModuleType:
 
 @functools.cache
 def _load() -> tuple[types.ModuleType | None, NativeExtensionUnavailable | None]:
-    module, reason = _import_prebuilt()
+    module, reason = (None, "FUSEDOFF_NO_PREBUILT is set") if _switch("FUSEDOFF_NO_PREBUILT") else _import_prebuilt()
     if module is None:
         try:
-            module = _jit_build(reason)
+            module = _import_jit_built(reason) if _switch("FUSEDOFF_NO_JIT") else _jit_build(reason)
         except NativeExtensionUnavailable as exc:
             return None, exc
     return module, None
