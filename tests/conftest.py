@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+# The GPU suite's per-test time limit and progress file (--test-timeout, --test-progress).
+from tests.per_test_timeout import *  # noqa: F401,F403 (its hooks, listed in its __all__)
+
 # Triton runs through its interpreter on machines without a GPU; this must be set before triton
 # is first imported. torch.cuda.is_available() asks the driver without initialising CUDA.
 if not torch.cuda.is_available():
