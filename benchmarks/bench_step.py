@@ -20,14 +20,18 @@ from traffic.py (the bytes each configuration must move) over bench_bandwidth's 
 start of the run on a GPU, and on CPU in each group's own interleaved loop (as bench_cpu_adam does).
 
 Timing: on CPU every contender of a (size, optimizer, precision) group is timed in turn, A, B, C, A, B, C,
-after ``--warmup`` steps (timing.time_interleaved); on a GPU one contender at a time (so its peak memory
-is its own): warm-up, then CUDA events or synchronised clocks (timing.time_cuda), up to ``--repeats``
-samples or about ``--seconds-per-contender``. Medians and p10-p90. On a GPU, the peak memory of each
-contender is torch's max_memory_allocated over its timed steps minus what was allocated before it was
-built (and separately over its first step), beside its own memory_stats().
+after ``--warmup`` steps (timing.time_interleaved); on a GPU (and in the dry run, which rehearses it) one
+contender at a time (so its peak memory is its own): warm-up, then CUDA events or synchronised clocks
+(timing.time_cuda), up to ``--repeats`` samples or about ``--seconds-per-contender``. Medians and
+p10-p90. On a GPU, the peak memory of each contender is torch's max_memory_allocated over its timed
+steps minus what was allocated before it was built (and separately over its first step), beside its
+own memory_stats().
 
-The CSV is rewritten after every group, so a run stopped at its deadline (``--deadline-s``: groups are
-ordered by priority, the targets' first) keeps what it measured.
+The CSV is rewritten (whole, then renamed over the old one) after every contender measured one at a
+time, and after every interleaved group, so a run killed at any moment keeps every row it measured.
+Groups are ordered by priority, the targets' first; at ``--deadline-s`` everything is bounded, building
+a contender (its host state) and its warm-up steps included: what has not finished by then gets a
+"skipped" row, and groups past the deadline are not even allocated.
 
     .venv/bin/python benchmarks/bench_step.py --device cpu                    # the CPU sweep, results/
     python3 benchmarks/bench_step.py --device cuda --out-dir OUT --deadline-s 200   # the GPU suite's run
@@ -38,9 +42,12 @@ ordered by priority, the targets' first) keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import signal
 import sys
+import threading
 import tempfile
 import time
 from collections.abc import Callable
@@ -91,6 +98,8 @@ class Workload:
 
     def rotate(self) -> None:
         """Attach the next gradient set (untimed, before every step)."""
+        if not self.grads:
+            return  # a workload that was never allocated (its group is past the deadline)
         for p, g in zip(self.params, self.grads[self._next % len(self.grads)]):
             p.grad = g
         self._next += 1
@@ -106,11 +115,14 @@ def split_sizes(numel: int, tensor_size: int) -> list[int]:
 
 
 def make_workload(device: torch.device, precision: traffic.Precision, numel: int, tensor_size: int,
-                  ring: int, seed: int = 0) -> Workload:
+                  ring: int, seed: int = 0, allocate: bool = True) -> Workload:
+    """The parameters and gradient ring; with ``allocate=False`` only their sizes (rows of a skipped group)."""
+    numels = split_sizes(numel, tensor_size)
+    if not allocate:
+        return Workload(device, precision, numels, [], [])
     dtype = torch.float32 if precision.param == 4 else torch.bfloat16
     grad_dtype = torch.float32 if precision.grad == 4 else torch.bfloat16
     generator = torch.Generator(device=device).manual_seed(seed)
-    numels = split_sizes(numel, tensor_size)
     params = [torch.nn.Parameter((torch.randn(n, generator=generator, device=device) * 0.1).to(dtype)) for n in numels]
     grads = [[(torch.randn(n, generator=generator, device=device) * 1e-2).to(grad_dtype) for n in numels]
              for _ in range(ring)]
@@ -266,76 +278,132 @@ class Measured:
     others_share: float | None = None
 
 
-def _gpu_memory_run(c: Contender, workload: Workload, args, deadline: float) -> Measured:
-    """Build, warm up and time one contender on the GPU, with its peak memory."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    free_before = torch.cuda.mem_get_info()[0]
-    torch.cuda.reset_peak_memory_stats()
-    built = c.build(workload)
+class DeadlineReached(Exception):
+    """The run's deadline passed inside a contender's measurement."""
+
+
+@contextlib.contextmanager
+def deadline_alarm(deadline: float):
+    """Raises DeadlineReached wherever the main thread is when `deadline` (perf_counter) passes: a
+    contender's construction, its first step (which allocates and pins its host state) and its warm-up
+    steps are bounded like its timed steps. (A call into C finishes first: the alarm lands after it.)"""
+    left = deadline - time.perf_counter()
+    if left == float("inf") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if left <= 0:
+        raise DeadlineReached
+
+    def on_alarm(signum, frame):
+        raise DeadlineReached
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, left)
     try:
-        workload.rotate()
-        start = time.perf_counter()
-        built.step()  # the first step: lazy states, the engine's first buffers
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
         torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        peak_first = torch.cuda.max_memory_allocated() - base
-        steady = first
-        for _ in range(max(1, args.warmup - 1)):  # warm-up; the last one sizes the repeats
+
+
+def measure_alone(c: Contender, workload: Workload, args, deadline: float) -> Measured:
+    """Build, warm up and time one contender by itself (on a GPU with its peak memory), all before
+    `deadline`. The dry run takes the same path on the CPU, without the memory figures."""
+    cuda = workload.device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        free_before = torch.cuda.mem_get_info()[0]
+        torch.cuda.reset_peak_memory_stats()
+    built = None
+    phase, started = "building it", time.perf_counter()
+    try:
+        with deadline_alarm(deadline):
+            built = c.build(workload)
+            phase = "in its first step"
             workload.rotate()
             start = time.perf_counter()
-            built.step()
+            built.step()  # the first step: lazy states, the engine's first buffers
+            _sync(cuda)
+            first = time.perf_counter() - start
+            peak_first = torch.cuda.max_memory_allocated() - base if cuda else None
+            steady = first
+            phase = "warming up"
+            for _ in range(max(1, args.warmup - 1)):  # warm-up; the last one sizes the repeats
+                workload.rotate()
+                start = time.perf_counter()
+                built.step()
+                _sync(cuda)
+                steady = time.perf_counter() - start
+            repeats = max(3, min(args.repeats, int(args.seconds_per_contender / max(steady, 1e-6))))
+            left = deadline - time.perf_counter()
+            if left < repeats * steady * 1.2:
+                repeats = int(left / max(steady, 1e-6) / 1.2)
+                if repeats < 3:
+                    return Measured(status=f"skipped: a step takes {steady:.2f} s, {max(left, 0):.0f} s left before "
+                                           "the deadline")
+            phase = "timing it"
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            with timing.LoadMonitor() as load:
+                if cuda:
+                    samples = timing.time_cuda(built.step, repeats=repeats, warmup=0, events=built.events,
+                                               before=workload.rotate)
+                else:
+                    samples = timing.time_interleaved({c.name: built.step}, repeats=repeats, warmup=0,
+                                                      before=workload.rotate)[c.name]
+            _sync(cuda)
+            stats = built.memory_stats() if built.memory_stats is not None else {}
+    except DeadlineReached:
+        return Measured(status=f"skipped: the deadline passed {phase} ({time.perf_counter() - started:.0f} s in)")
+    finally:
+        if built is not None and built.close is not None:
+            built.close()
+        del built
+        gc.collect()
+        if cuda:
             torch.cuda.synchronize()
-            steady = time.perf_counter() - start
-        repeats = max(3, min(args.repeats, int(args.seconds_per_contender / max(steady, 1e-6))))
-        left = deadline - time.perf_counter()
-        if left < repeats * steady * 1.2:
-            repeats = int(left / max(steady, 1e-6) / 1.2)
-            if repeats < 3:
-                return Measured(status=f"skipped: a step takes {steady:.2f} s, {max(left, 0):.0f} s left before the "
-                                       "deadline")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with timing.LoadMonitor() as load:
-            samples = timing.time_cuda(built.step, repeats=repeats, warmup=0, events=built.events,
-                                       before=workload.rotate)
-        torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    memory = {}
+    if cuda:
         memory = {
             "gpu_peak_bytes": torch.cuda.max_memory_allocated() - base,
             "gpu_peak_first_step_bytes": peak_first,
             "gpu_used_delta_bytes": free_before - torch.cuda.mem_get_info()[0],
         }
-        if built.memory_stats is not None:
-            memory |= {f"opt_{k}": v for k, v in built.memory_stats().items()}
-        return Measured(samples, "ok", memory, load.others_share)
-    finally:
-        if built.close is not None:
-            built.close()
-        del built
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    return Measured(samples, "ok", memory | {f"opt_{k}": v for k, v in stats.items()}, load.others_share)
 
 
-def run_group_gpu(contenders: list[Contender], workload: Workload, args, bandwidth, deadline) -> dict[str, Measured]:
-    out = {}
+def measure_one_by_one(contenders: list[Contender], workload: Workload, args, bandwidth, deadline,
+                       done: Callable[[Contender, Measured], None]) -> None:
+    """Each contender alone, in order; `done(contender, measured)` as soon as each is measured."""
+    cuda = workload.device.type == "cuda"
     for c in contenders:
         left = deadline - time.perf_counter()
         need = estimate_seconds(c, workload.numel, bandwidth, args.warmup + 3)
         if need > left:
-            out[c.name] = Measured(status=f"skipped: needs ~{need:.0f} s, {max(left, 0):.0f} s left before the deadline")
+            done(c, Measured(status=f"skipped: needs ~{need:.0f} s, {max(left, 0):.0f} s left before the deadline"))
             continue
         print(f"  {c.name} ...", flush=True)
         try:
-            out[c.name] = _gpu_memory_run(c, workload, args, deadline)
+            measured = measure_alone(c, workload, args, deadline)
         except peers.PeerUnavailable as exc:
-            out[c.name] = Measured(status=f"unavailable: {exc}")
+            measured = Measured(status=f"unavailable: {exc}")
         except Exception as exc:  # an optional peer failing must not stop the run; say what failed
-            out[c.name] = Measured(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            torch.cuda.synchronize()
-    return out
+            measured = Measured(status=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            _sync(cuda)
+        if not workload.all_finite():
+            done(c, Measured(status="failed: non-finite parameters after its steps; the times are invalid"))
+            raise SystemExit(f"FAIL {c.name}: non-finite parameters after timing; the times are invalid")
+        done(c, measured)
 
 
 def run_group_cpu(contenders: list[Contender], workload: Workload, args) -> tuple[dict[str, Measured], traffic.Bandwidth]:
@@ -473,27 +541,39 @@ def load_native() -> str:
     return ""
 
 
-def run_group(group: tuple[int, str, str], args, bandwidth: traffic.Bandwidth, deadline: float,
-              native: str) -> list[dict]:
-    """Every contender of one (size, optimizer, precision), as rows."""
+def run_group(group: tuple[int, str, str], args, bandwidth: traffic.Bandwidth, deadline: float, native: str,
+              emit: Callable[[list[dict]], None]) -> None:
+    """Every contender of one (size, optimizer, precision): `emit(rows)` as soon as rows are measured, one
+    contender at a time on a GPU and in the dry run, the whole group at once when interleaved on CPU."""
     size, optimizer, precision = group
-    workload = make_workload(args.device, traffic.PRECISIONS[precision], size, args.tensor_size, args.grad_ring)
+    past = time.perf_counter() > deadline
+    workload = make_workload(args.device, traffic.PRECISIONS[precision], size, args.tensor_size, args.grad_ring,
+                             allocate=not past)
     contenders = contenders_for(optimizer, workload, args)
-    measured = {c.name: Measured(status="skipped: --skip") for c in contenders if c.name in args.skip}
+    decided = {c.name: Measured(status="skipped: --skip") for c in contenders if c.name in args.skip}
     if native:
-        measured |= {c.name: Measured(status=f"unavailable: {native}") for c in contenders if c.kind == "fusedoff"}
-    to_run = [c for c in contenders if c.name not in measured]
-    if args.device.type == "cuda":
-        measured |= run_group_gpu(to_run, workload, args, bandwidth, deadline)
-    elif time.perf_counter() > deadline:
-        measured |= {c.name: Measured(status="skipped: past the deadline") for c in to_run}
-    else:
-        got, host = run_group_cpu(to_run, workload, args)
-        measured |= got
-        bandwidth = dataclasses.replace(bandwidth, host=host.host)
+        decided |= {c.name: Measured(status=f"unavailable: {native}") for c in contenders if c.kind == "fusedoff"}
+    if past:
+        decided |= {c.name: Measured(status="skipped: past the deadline") for c in contenders if c.name not in decided}
+
+    def rows(cs: list[Contender], measured: dict[str, Measured], bw: traffic.Bandwidth = bandwidth) -> list[dict]:
+        return result_rows(group, cs, measured, bw, workload, args)
+
+    if args.device.type == "cuda" or args.dry_run or past:
+        def done(c: Contender, m: Measured) -> None:
+            emit(rows([c], {c.name: m}))
+
+        for c in contenders:  # the decided ones in their place, in contender order
+            if c.name in decided:
+                done(c, decided[c.name])
+            else:
+                measure_one_by_one([c], workload, args, bandwidth, deadline, done)
+        return
+    to_run = [c for c in contenders if c.name not in decided]
+    measured, host = run_group_cpu(to_run, workload, args)
     if not workload.all_finite():
         raise SystemExit(f"FAIL {group}: non-finite parameters after timing; the times are invalid")
-    return result_rows(group, contenders, measured, bandwidth, workload, args)
+    emit(rows(contenders, decided | measured, dataclasses.replace(bandwidth, host=host.host)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -517,6 +597,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{', '.join(f'{k} {v}' for k, v in peer_versions.items())}", flush=True)
 
     rows: list[dict] = []
+    in_progress = timing.hardware_metadata(args.threads, extra | {"load": "in progress"})
+
+    def emit(new_rows: list[dict]) -> None:
+        """Rows into the CSV at once: a run killed after this keeps them."""
+        rows.extend(new_rows)
+        timing.write_csv(csv_path, rows, in_progress)
+
     bandwidth = traffic.Bandwidth()
     with timing.LoadMonitor() as load:
         if args.device.type == "cuda" or args.dry_run:  # the bound first: measured even if the rest runs out of time
@@ -524,18 +611,16 @@ def main(argv: list[str] | None = None) -> None:
                                                  host_bytes=min(args.link_bytes, 2**30), repeats=10,
                                                  dry_run=args.dry_run)
             bandwidth = bench_bandwidth.bandwidth_from_rows(bound_rows)
-            rows += [{"device": args.device.type, "dry_run": int(args.dry_run), **r} for r in bound_rows]
             print(timing.markdown_table(bound_rows, bench_bandwidth.TABLE_COLUMNS), flush=True)
-            timing.write_csv(csv_path, rows, timing.hardware_metadata(args.threads, extra | {"load": "in progress"}))
+            emit([{"device": args.device.type, "dry_run": int(args.dry_run), **r} for r in bound_rows])
         native = load_native()
         for group in plan_groups(args.sizes, args.optimizers, args.precisions, args.naive_max):
             print(f"{timing.format_size(group[0])} {group[1]} {group[2]} ({time.perf_counter() - start:.0f} s)",
                   flush=True)
-            rows += run_group(group, args, bandwidth, deadline, native)
+            run_group(group, args, bandwidth, deadline, native, emit)
             gc.collect()
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
-            timing.write_csv(csv_path, rows, timing.hardware_metadata(args.threads, extra | {"load": "in progress"}))
     note = timing.load_note(load)
     meta = timing.hardware_metadata(args.threads, extra | {"load": note, "wall_s": round(time.perf_counter() - start)})
     timing.write_csv(csv_path, rows, meta)

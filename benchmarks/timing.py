@@ -320,16 +320,19 @@ def hardware_lines(meta: Mapping[str, object]) -> str:
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, object]], metadata: Mapping[str, object]) -> None:
-    """One row per measurement, each followed by the metadata columns."""
+    """One row per measurement, each followed by the metadata columns. Written beside `path`, then
+    renamed over it: a run killed while writing leaves the previous complete file, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     full = [{**row, **metadata} for row in rows]
     fieldnames: list[str] = []
     for row in full:
         fieldnames += [k for k in row if k not in fieldnames]
-    with open(path, "w", newline="") as f:
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(full)
+    os.replace(partial, path)
 
 
 def read_csv(path: Path) -> list[dict[str, object]]:
