@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fusedoff
+from fusedoff import memory
 from tests.helpers import backend_params, max_abs_error, ulp_atol
 
 BACKENDS = backend_params(("cpu", "cuda", "triton", "torch"))
@@ -36,30 +37,43 @@ def train(model, opt, steps, device, seed=1, scaler=None):
             scaler.update()
 
 
-def assert_close_to_float64(fused_model, fused_opt, torch_cls, kwargs, steps, device, init_state=None):
-    """fusedoff (fp32) vs torch.optim in float64, bounded by torch.optim's own fp32 error."""
-    runs = {}
+def tensors_of(model, opt) -> dict[str, list[torch.Tensor]]:
+    """Parameters and AdamW states, on the host. States through state_dict: on CUDA the default
+    offload streams, and opt.state holds only `step` there."""
+    states = opt.state_dict()["state"]
+    out = {"param": [p.detach().cpu() for p in model.parameters()]}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = [states[pid][key].cpu() for pid in sorted(states)]
+    return out
+
+
+def assert_within_oracle_bound(got: dict, base: dict, oracle: dict) -> None:
+    """Per quantity: err(got) <= 2 * err(base) + one fp32 ulp of the oracle's largest value, errors
+    against the float64 `oracle`, `base` torch's own fp32 run (the style guide's bound)."""
+    for key, want in oracle.items():
+        err, base_err = max_abs_error(got[key], want), max_abs_error(base[key], want)
+        bound = 2 * base_err + ulp_atol(torch.float32, want)
+        assert err <= bound, f"{key}: {err:.3e} vs torch {base_err:.3e} (bound {bound:.3e})"
+
+
+def torch_runs(torch_cls, kwargs, run, init=None) -> dict[torch.dtype, dict]:
+    """torch_cls in float64 (the oracle) and float32 (the baseline), from make_model's weights (or
+    init(model, opt)), trained by run(model, opt): their parameters and states."""
+    out = {}
     for dtype in (torch.float64, torch.float32):
         model = make_model("cpu", dtype)
         opt = torch_cls(model.parameters(), foreach=False, **kwargs)
-        if init_state is not None:
-            opt.load_state_dict(init_state)
-        train(model, opt, steps, "cpu")
-        runs[dtype] = (model, opt)
-    (oracle, oracle_opt), (base, base_opt) = runs[torch.float64], runs[torch.float32]
+        if init is not None:
+            init(model, opt)
+        run(model, opt)
+        out[dtype] = tensors_of(model, opt)
+    return out
 
-    def tensors(model, opt, key):
-        if key == "param":
-            return [p.detach().cpu() for p in model.parameters()]
-        # Through state_dict: on CUDA the default offload streams, and opt.state holds only `step`.
-        states = opt.state_dict()["state"]
-        return [states[pid][key].cpu() for pid in sorted(states)]
 
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        want = tensors(oracle, oracle_opt, key)
-        err = max_abs_error(tensors(fused_model, fused_opt, key), want)
-        base_err = max_abs_error(tensors(base, base_opt, key), want)
-        assert err <= 2 * base_err + ulp_atol(torch.float32, want), f"{key}: {err:.3e} vs torch {base_err:.3e}"
+def assert_close_to_float64(fused_model, fused_opt, torch_cls, kwargs, steps, device):
+    """fusedoff (fp32) vs torch.optim in float64, bounded by torch.optim's own fp32 error."""
+    runs = torch_runs(torch_cls, kwargs, lambda model, opt: train(model, opt, steps, "cpu"))
+    assert_within_oracle_bound(tensors_of(fused_model, fused_opt), runs[torch.float32], runs[torch.float64])
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -76,6 +90,9 @@ def test_matches_torch_optim(backend, device, fused_cls, torch_cls):
 
 @pytest.mark.parametrize("direction", ["fusedoff->torch", "torch->fusedoff"])
 def test_state_dict_interchange_with_torch_optim(direction):
+    """A checkpoint of one continues in the other: the run that saved it and the run that loaded it
+    both stay within the oracle bound of torch.optim.AdamW resumed from it in float64 (parameters
+    and states; measured: at most 40% of the bound)."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     first_model = make_model("cpu")
     first = (fusedoff.AdamW if direction == "fusedoff->torch" else torch.optim.AdamW)(first_model.parameters(), **kwargs)
@@ -88,12 +105,17 @@ def test_state_dict_interchange_with_torch_optim(direction):
     resumed_model = make_model("cpu")
     resumed_model.load_state_dict(saved_model)
     resumed = (torch.optim.AdamW if direction == "fusedoff->torch" else fusedoff.AdamW)(resumed_model.parameters(), **kwargs)
-    resumed.load_state_dict(saved_state)
+    resumed.load_state_dict(copy.deepcopy(saved_state))  # a loaded tensor may become the state (as in torch)
     train(resumed_model, resumed, 5, "cpu", seed=2)
     train(first_model, first, 5, "cpu", seed=2)
-    for a, b in zip(first_model.parameters(), resumed_model.parameters()):
-        # Both continue from identical states: the only difference is two fp32 implementations.
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+    def resume(model, opt):  # torch casts the weights and states to float64 for the oracle
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(copy.deepcopy(saved_state))
+
+    runs = torch_runs(torch.optim.AdamW, kwargs, lambda model, opt: train(model, opt, 5, "cpu", seed=2), resume)
+    for model, opt in ((first_model, first), (resumed_model, resumed)):
+        assert_within_oracle_bound(tensors_of(model, opt), runs[torch.float32], runs[torch.float64])
 
 
 def test_bf16_states_stay_fp32_through_state_dict():
@@ -147,23 +169,34 @@ def test_grad_scaler_end_to_end(backend, device):
             assert torch.equal(value, before[0]["state"][pid][key]), key
 
 
-def test_bad_input_is_rejected_before_anything_changes():
-    model = make_model("cpu")
-    opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
+@pytest.mark.parametrize("placement", [dict(offload="none"), dict(offload="stream", chunk_size=32)],
+                         ids=["resident", "streamed"])
+def test_bad_input_is_rejected_before_anything_changes(placement):
+    """A bad gradient on the last parameter: the step raises before any parameter, state, master
+    weight or step count changes (bf16 parameters, so master weights are among the states)."""
+    model = make_model("cpu", torch.bfloat16)
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-2, amsgrad=True, **placement)
     train(model, opt, 1, "cpu")
-    snapshot = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
     params = list(model.parameters())
+    snapshot = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
     for p in params:
         p.grad = torch.ones_like(p)
-    params[-1].grad.data = torch.ones(3)  # wrong shape on the last parameter (.data skips torch's check)
-    with pytest.raises(RuntimeError, match="shape"):
-        opt.step()
-    params[-1].grad = torch.ones_like(params[-1]).to_sparse()
-    with pytest.raises(RuntimeError, match="sparse"):
-        opt.step()
+    bad_grads = [
+        ("shape", lambda g: setattr(g, "data", torch.ones(3, dtype=g.dtype))),  # .data skips torch's check
+        ("sparse", lambda g: setattr(params[-1], "grad", torch.ones_like(params[-1]).to_sparse())),
+    ]
+    for match, spoil in bad_grads:
+        spoil(params[-1].grad)
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
     for p, b in zip(params, snapshot[1]):
         assert torch.equal(p, b)
-    assert opt.state_dict()["state"][0]["step"].item() == 1.0
+    after = opt.state_dict()["state"]
+    assert after.keys() == snapshot[0]["state"].keys() == set(range(len(params)))
+    for pid, state in snapshot[0]["state"].items():
+        assert set(after[pid]) == set(state) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"}
+        for key, value in state.items():
+            assert torch.equal(after[pid][key], value), (pid, key)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
@@ -247,19 +280,22 @@ def test_rejects_integer_and_complex_params():
 
 
 def test_scheduler_changes_lr_every_step():
+    """An lr halved after every step by StepLR: within the oracle bound of torch.optim.AdamW under
+    the same scheduler (parameters and states; measured: at most 51% of the bound)."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
-    fused_model, torch_model = make_model("cpu"), make_model("cpu")
+
+    def run(model, opt):
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(6):
+            train(model, opt, 1, "cpu", seed=step)
+            scheduler.step()
+        assert opt.param_groups[0]["lr"] == 1e-2 / 64
+
+    fused_model = make_model("cpu")
     fused = fusedoff.AdamW(fused_model.parameters(), **kwargs)
-    ref = torch.optim.AdamW(torch_model.parameters(), foreach=False, **kwargs)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (fused, ref)]
-    for step in range(6):
-        train(fused_model, fused, 1, "cpu", seed=step)
-        train(torch_model, ref, 1, "cpu", seed=step)
-        for s in scheds:
-            s.step()
-    assert fused.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 64
-    for a, b in zip(fused_model.parameters(), torch_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    run(fused_model, fused)
+    runs = torch_runs(torch.optim.AdamW, kwargs, run)
+    assert_within_oracle_bound(tensors_of(fused_model, fused), runs[torch.float32], runs[torch.float64])
 
 
 def test_params_without_grad_are_skipped():
@@ -271,50 +307,85 @@ def test_params_without_grad_are_skipped():
     assert a.detach().lt(1).all()
 
 
+def train_clipped(model, opt, clip, use_scaler, device) -> list[torch.Tensor]:
+    """Six steps, each clipped by clip(model, opt) after the gradients are unscaled; the norms."""
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**6) if use_scaler else None
+    gen = torch.Generator().manual_seed(3)
+    dtype = next(model.parameters()).dtype
+    norms = []
+    for _ in range(6):
+        x, y = (torch.randn(16, k, generator=gen).to(device, dtype) for k in (7, 1))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            norms.append(clip(model, opt).detach().cpu())
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(clip(model, opt).detach().cpu())
+            scaler.step(opt)
+            scaler.update()
+    return norms
+
+
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["", "grad-scaler"])
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
 def test_clip_grad_norm_matches_torch(backend, device, use_scaler, norm_type):
-    """opt.clip_grad_norm_ folds the clip factor into the step: same trajectory as clipping the
-    gradients with torch.nn.utils.clip_grad_norm_ before torch.optim.AdamW's step."""
+    """opt.clip_grad_norm_ folds the clip factor into the step: the trajectory of clipping the
+    gradients with torch.nn.utils.clip_grad_norm_ before torch.optim.AdamW's step, within the
+    oracle bound of torch in float64 (norms, parameters and states; measured: at most 58% of the
+    bound). tests/test_clipping.py covers steps without clipping between clipped ones."""
     kwargs = dict(lr=1e-2, weight_decay=0.1)
-    models = [make_model(device), make_model(device)]
-    fused = fusedoff.AdamW(models[0].parameters(), backend=backend, **kwargs)
-    ref = torch.optim.AdamW(models[1].parameters(), foreach=False, **kwargs)
-    scalers = [torch.amp.GradScaler(device, init_scale=2.0**6) if use_scaler else None for _ in range(2)]
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(6):
-        x, y = torch.randn(16, 7, generator=gen).to(device), torch.randn(16, 1, generator=gen).to(device)
-        norms = []
-        for model, opt, scaler, clip in zip(models, (fused, ref), scalers,
-                                            (lambda: fused.clip_grad_norm_(0.05, norm_type),
-                                             lambda: torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.05,
-                                                                                   norm_type))):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            if scaler is None:
-                loss.backward()
-                norms.append(clip())
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                norms.append(clip())
-                scaler.step(opt)
-                scaler.update()
-        torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
-        assert norms[0].item() > 0.05  # clipping is active
-    for a, b in zip(*(m.parameters() for m in models)):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    norms = {}
+
+    def run(model, opt):
+        norms[next(model.parameters()).dtype] = train_clipped(
+            model, opt, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type), use_scaler, "cpu")
+
+    runs = torch_runs(torch.optim.AdamW, kwargs, run)
+    model = make_model(device)
+    opt = fusedoff.AdamW(model.parameters(), backend=backend, **kwargs)
+    got_norms = train_clipped(model, opt, lambda m, o: o.clip_grad_norm_(0.05, norm_type), use_scaler, device)
+    got = {**tensors_of(model, opt), "norm": got_norms}
+    for dtype in runs:
+        runs[dtype]["norm"] = norms[dtype]
+    assert_within_oracle_bound(got, runs[torch.float32], runs[torch.float64])
+    assert min(n.item() for n in got_norms) > 0.05  # clipping is active on every step
 
 
-def test_clip_grad_norm_reads_bf16_grads_without_upcasting():
-    model = make_model("cpu", torch.bfloat16)
-    opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    want = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
-    torch.testing.assert_close(opt.clip_grad_norm_(1.0), want, rtol=1e-6, atol=0)
+def test_clip_grad_norm_of_bf16_grads_holds_at_most_one_fp32_gradient_copy():
+    """The norm of bf16 gradients, accumulated in fp32, is within the oracle bound of torch's norm
+    of fp32 copies of them (float64 oracle; measured: torch's own error, 9.2e-5 relative for l2, 0
+    for inf), and the host memory it takes stays below an fp32 copy of the largest gradient plus
+    half the next. On the CPU torch's norm with dtype=float32 upcasts each tensor it reads, so
+    fusedoff reads the gradients one at a time and never holds all of them upcast (measured: a
+    peak of 36 MiB, the largest gradient's fp32 copy, under a bound of 48 MiB; all of them upcast
+    at once would be 60). The peak is the process's resident memory (VmHWM, reset before the call);
+    the largest copies are above glibc's largest mmap threshold (32 MiB), so they are fresh memory."""
+    if not memory.reset_host_peak():
+        pytest.skip("this kernel does not let the peak resident memory be reset")
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (9 * 2**20, 6 * 2**20, 1000)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    opt = fusedoff.AdamW(params, lr=1e-2)
+    copies = sorted((p.numel() * 4 for p in params), reverse=True)
+    for norm_type in (2.0, float("inf")):
+        want = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in params]), norm_type)
+        # torch's norm of the same gradients upcast to fp32: fp32 sums over 15M elements err ~1e-4.
+        base_err = (torch.nn.utils.get_total_norm([p.grad.float() for p in params], norm_type).double() - want).abs()
+        opt.clip_grad_norm_(1.0, norm_type)  # once first: allocations made once (thread pools) do not count
+        memory.reset_host_peak()
+        entry = memory.host_rss_bytes()
+        got = opt.clip_grad_norm_(1.0, norm_type)
+        peak = memory.host_peak_rss_bytes() - entry
+        assert got.dtype == torch.float32
+        err = (got.double() - want).abs()
+        assert err <= 2 * base_err + torch.finfo(torch.float32).eps * want, f"{err:.3e} vs torch's {base_err:.3e}"
+        assert peak < copies[0] + copies[1] // 2, f"{peak / 2**20:.1f} MiB held by a norm of {norm_type}"
 
 
 def test_one_group_on_two_devices_is_rejected():
