@@ -364,7 +364,7 @@ def test_user_state_dict_hooks_see_complete_dicts():
 def test_cuda_failed_pinning_leaves_no_error_behind():
     """A failed cudaHostRegister (here: memory already registered) returns False, and the CUDA
     error it leaves is cleared: the next launch check must not report it as its own."""
-    from fusedoff.offload.store import pin_in_place as _pin
+    from fusedoff.offload.cuda_runtime import pin_in_place as _pin
 
     slab = torch.zeros(1024)
     assert _pin(slab, torch.device("cuda"))

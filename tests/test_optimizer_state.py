@@ -121,6 +121,21 @@ def scenario_edit(opt, params, step):
         opt.state[params[4]]["exp_avg_sq"] = torch.full((), 2.0, dtype=torch.float64)  # another dtype
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_assigned_state_of_the_wrong_size_is_refused_before_anything_changes(mode):
+    params = make_params()
+    opt = fusedoff.AdamW(params, **ADAM, **modes(8)[mode])
+    train(opt, params, 2)
+    before = snapshot(opt, params), [p.detach().clone() for p in params]
+    # The 165-element tensor (resident in the mix) and the 300-element one (streamed in the mix).
+    for index in (0, 2):
+        opt.state[params[index]]["exp_avg"] = torch.zeros(params[index].numel() + 1)
+        with pytest.raises(ValueError, match="elements"):
+            train(opt, params, 1, start=2)
+        opt.state[params[index]]["exp_avg"] = before[0][index]["exp_avg"].clone()
+    assert_same(params, snapshot(opt, params), before[1], before[0])
+
+
 @pytest.mark.parametrize("scenario", [scenario_reset, scenario_edit], ids=["reset", "edit"])
 def test_the_engine_follows_what_opt_state_holds(scenario):
     ref_params = make_params()
@@ -333,7 +348,9 @@ def test_cuda_auto_decides_the_budget_at_the_first_step_from_an_injected_figure(
     needed = 8 * 489
     # A device of 10 MiB whose forward and backward peaked 1 KiB short of room for every state.
     total = 10 * 2**20
-    monkeypatch.setattr(placement, "device_memory", lambda device: (total, int(total * 0.9) - needed + 1024 - 2048))
+    from fusedoff.offload.cuda_runtime import CudaRuntime
+
+    monkeypatch.setattr(CudaRuntime, "memory_info", lambda self: (total, int(total * 0.9) - needed + 1024 - 2048))
     opt = fusedoff.AdamW(params, **ADAM, chunk_size=32)  # offload="auto"
     assert opt.memory_stats()["device_budget"] is None
     for p, g in zip(params, grads_for(0)):
@@ -341,7 +358,7 @@ def test_cuda_auto_decides_the_budget_at_the_first_step_from_an_injected_figure(
     opt.step()
     stats = opt.memory_stats()
     assert stats["device_budget"] == needed and stats["resident_bytes"] == needed and stats["streamed_bytes"] == 0
-    monkeypatch.setattr(placement, "device_memory", lambda device: (total, int(total * 0.9) - 8 * 200))
+    monkeypatch.setattr(CudaRuntime, "memory_info", lambda self: (total, int(total * 0.9) - 8 * 200))
     opt.set_device_budget(None)  # decided again at the next step, from the new figure
     opt.step()
     stats = opt.memory_stats()

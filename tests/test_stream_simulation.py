@@ -254,6 +254,34 @@ def test_auto_decides_the_budget_from_the_simulated_device_memory():
     assert stats["host_pinned"]
 
 
+def test_a_streamed_step_under_graph_capture_is_refused_before_anything_changes():
+    with runtime.simulate(lambda device: SimulatedRuntime(device, capturing=True)):
+        params = make_params(torch.float32)
+        opt = fusedoff.AdamW(params, offload="stream", chunk_size=32)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert all(float(opt.state[p]["step"]) == 0 for p in params)
+        # Every state resident: nothing streams, and the step may be captured.
+        resident = fusedoff.AdamW(params, offload="stream", chunk_size=32, device_budget=10**6)
+        resident.step()
+        assert float(resident.state[params[0]]["step"]) == 1
+
+
+def test_pinning_refused_falls_back_to_pageable_memory_with_a_warning():
+    def make(groups):
+        return fusedoff.AdamW(groups, **ADAM, offload="stream", chunk_size=32)
+
+    want = train(make, torch.float32, steps=3)
+    with runtime.simulate(lambda device: SimulatedRuntime(device, pin_fails=True)):
+        with pytest.warns(UserWarning, match="could not pin host memory"):
+            got = train(make, torch.float32, steps=3)
+    assert_equal_runs(got, want)
+
+
 def test_the_race_checker_reports_an_unordered_pair_and_accepts_an_ordered_one():
     sim = SimulatedRuntime(torch.device("cpu"), seed=0)
     a, b = sim.new_stream(), sim.new_stream()

@@ -199,13 +199,6 @@ class OffloadEngine:
     def buffer_bytes_for(self, num_states: int) -> int:
         return self.num_buffers * num_states * self.chunk_size * 4
 
-    def reset(self) -> None:
-        """Forgets every layout and undecided budget: the next step places states afresh, taking
-        the values ``opt.state`` holds then."""
-        self.wait_host()
-        self.layouts.clear()
-        self.budget = Budget()
-
     def layout(self, key: tuple, params: list[Tensor], names: tuple[str, ...], initial: Initial) -> StateLayout:
         """The layout of bucket `key` (its members `params`, states `names`), placed on first use."""
         layout = self.layouts.get(key)
@@ -233,22 +226,20 @@ class OffloadEngine:
         return layout
 
     def _initial_budget(self, device: torch.device) -> int | None:
+        """The budget where none was decided at the first step (auto on CUDA without one is)."""
         if self.mode == "none" or (self.mode == "auto" and not self.runtime(device).decides_budget):
             return None  # auto never streams CPU parameters' states: they are in host memory already
-        if self.device_budget is not None:
-            return self.device_budget
-        if self.mode == "stream":
-            return 0
-        return None  # (not reached: auto on CUDA without a budget is decided at the first step)
-
-    def find(self, param: Tensor) -> tuple[StateLayout, int] | None:
-        for layout in self.layouts.values():
-            t = layout.index.get(id(param))
-            if t is not None:
-                return layout, t
-        return None
+        return self.device_budget if self.device_budget is not None else 0
 
     # ---- the step ------------------------------------------------------------------------------
+    @staticmethod
+    def check_capturable(layout: StateLayout, grads: dict[int, Tensor]) -> None:
+        """Raises if this step would stream states while a CUDA graph is being captured."""
+        if layout.store is not None and any(not layout.resident[t] for t in grads) and layout.runtime.capturing():
+            raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
+                               "and host synchronisation are outside the graph); capture with every state resident "
+                               "(offload='none', or a device_budget that holds them all)")
+
     def step(self, layout: StateLayout, update: FusedUpdate, states: dict[int, dict], grads: dict[int, Tensor],
              steps: dict[int, Tensor]) -> None:
         """One step of `update` over the tensors of `layout` that have a gradient in `grads`
@@ -263,10 +254,6 @@ class OffloadEngine:
         chunks = []
         if layout.store is not None:
             chunks = [c for c in layout.plan.chunks if any(p.tensor in grads for p in c.pieces)]
-        if chunks and rt.capturing():
-            raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
-                               "and host synchronisation are outside the graph); capture with every state resident "
-                               "(offload='none', or a device_budget that holds them all)")
         # Produced on the main stream before this step: the gradients (backward) and the step counts.
         rt.main_access([*grads.values(), *steps.values(), *(() if stats is None else (stats,))], write=True,
                        what="gradients, steps and stats made on the main stream")

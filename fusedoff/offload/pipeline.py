@@ -27,8 +27,6 @@ from fusedoff.offload.store import HostStateStore
 
 class StreamPipeline:
     def __init__(self, runtime: Runtime, chunk_size: int, num_buffers: int) -> None:
-        if num_buffers < 2:
-            raise ValueError(f"num_buffers must be >= 2, got {num_buffers}")
         self.runtime = runtime
         self.chunk_size = chunk_size
         # buffers[set][slot]: one fp32 chunk per state a pass moves; grown to the most states any

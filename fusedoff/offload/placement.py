@@ -21,11 +21,6 @@ import torch
 AUTO_HEADROOM = 0.10
 
 
-def device_memory(device: torch.device) -> tuple[int, int]:
-    """(total bytes, peak bytes this process allocated so far) on `device`."""
-    return torch.cuda.get_device_properties(device).total_memory, torch.cuda.max_memory_allocated(device)
-
-
 def auto_budget(total: int, peak: int, needed: int, buffer_bytes: int) -> int:
     """The automatic budget (see [note: automatic budget]) for `needed` bytes of states."""
     available = int(total * (1.0 - AUTO_HEADROOM)) - peak

@@ -7,7 +7,8 @@ stream, memory figures, and graph capture. Three implementations:
 
 - `Runtime` itself: the host loopback for CPU parameters. Everything runs at once, in program
   order; streams and events are None.
-- `CudaRuntime`: torch's CUDA streams and events. Nothing else in the engine touches torch.cuda.
+- `CudaRuntime` (cuda_runtime.py): torch's CUDA streams and events, and page-locking host memory.
+  Nothing else in the engine touches torch.cuda.
 - `fusedoff.offload.simulator.SimulatedRuntime`: CPU tensors behind queued streams with a
   seeded random interleaving and a happens-before race checker, so CI runs the device side.
 
@@ -25,7 +26,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from fusedoff.offload import placement
 
 
 class Runtime:
@@ -95,59 +95,15 @@ class Runtime:
         pass
 
 
-class CudaRuntime(Runtime):
-    decides_budget = True
-    asynchronous = True
-
-    def new_stream(self):
-        return torch.cuda.Stream(self.device)
-
-    def current_stream(self):
-        return torch.cuda.current_stream(self.device)
-
-    def record(self, stream):
-        return stream.record_event()
-
-    def wait_event(self, stream, event) -> None:
-        if event is not None:
-            stream.wait_event(event)
-
-    def wait_stream(self, waiter, waited) -> None:
-        waiter.wait_stream(waited)
-
-    def synchronize(self, event) -> None:
-        if event is not None:
-            event.synchronize()
-
-    def copy(self, stream, dst: Tensor, src: Tensor) -> None:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def launch(self, stream, fn, *, reads=(), writes=()) -> None:
-        with torch.cuda.stream(stream):
-            fn()
-
-    def keep_alive(self, tensor: Tensor, stream) -> None:
-        tensor.record_stream(stream)
-
-    def pin(self, tensor: Tensor) -> bool:
-        from fusedoff.offload.store import pin_in_place
-
-        return pin_in_place(tensor, self.device)
-
-    def memory_info(self) -> tuple[int, int]:
-        return placement.device_memory(self.device)
-
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
-
-
+# The runtime for CPU devices inside `simulate` (None: the host loopback).
 _simulated: Callable[[torch.device], Runtime] | None = None
 
 
 def runtime_for(device: torch.device) -> Runtime:
     """The runtime of `device`: CUDA, the host loopback, or (inside `simulate`) the simulator for CPU."""
     if device.type == "cuda":
+        from fusedoff.offload.cuda_runtime import CudaRuntime
+
         return CudaRuntime(device)
     if _simulated is not None and device.type == "cpu":
         return _simulated(device)

@@ -93,7 +93,7 @@ class SimulatedRuntime(Runtime):
     asynchronous = True
 
     def __init__(self, device: torch.device, *, seed: int = 0, total_memory: int = 2**34, peak_memory: int = 0,
-                 pin_fails: bool = False) -> None:
+                 pin_fails: bool = False, capturing: bool = False) -> None:
         super().__init__(device)
         self.rng = random.Random(seed)
         self.host = _Timeline(0, "host", {})
@@ -102,6 +102,7 @@ class SimulatedRuntime(Runtime):
         self._current = self.main
         self.memory = (total_memory, peak_memory)
         self.pin_fails = pin_fails
+        self.capturing_graph = capturing
         self._history: dict[int, list[_Access]] = {}
         self.ops_run = 0
         self.checked = 0
@@ -174,6 +175,9 @@ class SimulatedRuntime(Runtime):
 
     def memory_info(self) -> tuple[int, int]:
         return self.memory
+
+    def capturing(self) -> bool:
+        return self.capturing_graph
 
     # ---- accesses by the host and the main stream ------------------------------------------------------
     def host_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:

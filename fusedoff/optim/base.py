@@ -19,8 +19,7 @@ from torch.optim import Optimizer
 
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
-from fusedoff.offload import OffloadEngine
-from fusedoff.offload import placement
+from fusedoff.offload import OffloadEngine, placement
 from fusedoff.offload.update import FusedUpdate
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.state import OptimizerState, param_state
@@ -274,6 +273,8 @@ class FusedOptimizer(Optimizer):
                 steps[t] = state["step"]
             placed.append((group, device, master, backend, layout, states, grads, steps))
 
+        for _, _, _, _, layout, _, grads, _ in placed:
+            self._engine.check_capturable(layout, grads)
         clip = getattr(self, "_clip_coef", None)
         for group, device, master, backend, layout, states, grads, steps in placed:
             divisor = clipping.grad_divisor(grad_scale, clip, device)
