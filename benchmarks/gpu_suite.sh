@@ -2,47 +2,67 @@
 # The one-shot GPU check, for a fresh copy of the repository on a machine with one GPU (an H200) and no
 # internet: it uses that machine's own python3, torch, nvcc and ninja. At most 8 minutes
 # (SUITE_BUDGET_S=480); every stage has its own timeout, a failed or timed-out stage never stops the
-# ones after it, and the verdict table comes last whatever happened. The benchmark measures the bound
-# first, then loads the extension (finishing, on its own clock, a JIT build the build stage left
-# unfinished) and measures the peers even without it.
+# ones after it, and the verdict table comes last whatever happened.
 #
-#   stage    limit                         what, into OUTDIR
-#   env      -                             nvidia-smi, versions, tools                      suite.log
-#   peers    60 s, then in the background  optional: wheels in $PEER_WHEELS (default .whl/, see
-#                                          peer_wheels.sh) installed to a temp dir; DeepSpeed's cpu_adam
-#                                          op built beside the extension (killed if unfinished at bench)
-#   build    270 s                         JIT build of fusedoff._C, TORCH_CUDA_ARCH_LIST=9.0   build.log
-#                                          (about 200 s on 2 loaded cores here; ops.cpp is the long pole)
-#   tests    100 s                         pytest -m "cuda and not triton": the CUDA kernels,   cuda-tests.log
-#                                          the streams, FSDP2 on one GPU (skipped if the build failed)
-#   bench    what is left but 35 s         bench_step.py --device cuda: the bound, then the     bench.log,
-#                                          targets' configurations at 1G, then the sweep         bench_step_cuda.csv,
-#                                          16M..1G; stops starting work at its deadline         .png, RESULTS.md
-#   report   30 s                          the table and PNG again from the CSV, if the bench was cut short
-#   triton   what is left but 35 s         pytest -m "cuda and triton" (each kernel variant     cuda-tests.log
-#                                          compiles on first use: last, so it cannot starve the bench)
-#   verdict  30 s                          targets.py: stages, then each target beside its figure   stdout
+#   stage          limit                      what, into OUTDIR
+#   env            30 s                       versions, driver, GPU, tools, and the pinned-memory probe  suite.log
+#                                             (cudaHostRegister and pin_memory on 64 MiB: pageable fallback?)
+#   peers          60 s, then in background   optional: wheels in $PEER_WHEELS (default .whl/, see
+#                                             peer_wheels.sh) installed to a temp dir; DeepSpeed's cpu_adam op
+#                                             built beside the extension (stopped if unfinished at bench)
+#   build          270 s                      suite_build.py: the one JIT build of fusedoff._C           build.log
+#                                             (TORCH_CUDA_ARCH_LIST=9.0) into the suite's own extension dir;
+#                                             at its limit the build's processes are stopped and its lock and
+#                                             half-linked module removed. Every later stage runs with
+#                                             FUSEDOFF_NO_JIT=1: it loads what was built or reports
+#                                             "unavailable" at once, and never builds or waits on a lock.
+#   tests-streams  60 s                       suite_tests.py streams: the real streams, pinning, overlap  cuda-tests.log
+#                                             and memory tests, first (skipped if the build failed)
+#   tests          100 s less the above       suite_tests.py kernels: every other cuda test, not Triton  cuda-tests.log
+#                                             (each test: 60 s at most, TEST_TIMEOUT_S; a test that hangs
+#                                             in C ends its pytest, which starts again without it)
+#   bench          what is left but 95 s      bench_step.py --device cuda: the bound, then the targets'  bench.log,
+#                                             configurations at 1G, then the sweep 16M..1G; a CSV row per  bench_step_cuda.csv,
+#                                             contender as soon as it is measured; everything, building  .png, RESULTS.md
+#                                             and warm-ups too, within its deadline
+#   report         30 s                       the table and PNG again from the CSV, if the bench was cut short
+#   triton         what is left but 35 s      suite_tests.py triton (each kernel variant compiles on    cuda-tests.log
+#                                             first use: last, so it cannot starve the bench)
+#   verdict        30 s                       targets.py: stages, then each target beside its figure    stdout
 #
 # Stage limits shrink so that later stages keep their share when an earlier one runs long. Without a GPU
-# the same stages run as a dry run (the tests skip; bench_step.py --dry-run on the CPU, tiny sizes).
+# the same stages run as a dry run: the tests skip (and the order they would run in is printed), the
+# benchmark runs its plumbing on the CPU at tiny sizes (bench_step.py --dry-run).
 #
-#   bash benchmarks/gpu_suite.sh OUTDIR        (or OUT=OUTDIR bash benchmarks/gpu_suite.sh)
+#   bash benchmarks/gpu_suite.sh OUTDIR              (or OUT=OUTDIR bash benchmarks/gpu_suite.sh)
+#   bash benchmarks/gpu_suite.sh --rehearse OUTDIR   every stage on a machine without a GPU, with the
+#                                                    failures it must survive forced (rehearse_gpu_suite.sh)
 #
 # OUTDIR holds at most 8 files at the end (what the device tool brings back): suite.log, stages.tsv,
 # build.log, cuda-tests.log, bench.log, bench_step_<cuda|dry>.csv and .png, RESULTS.md.
-# Environment: PYTHON (python3), SUITE_BUDGET_S (480), BUILD_LIMIT_S (270), TESTS_LIMIT_S (100),
-# PEER_WHEELS (.whl), BENCH_ARGS (extra bench_step.py arguments), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
+# Environment: PYTHON (python3), SUITE_BUDGET_S (480), BUILD_LIMIT_S (270), STREAM_TESTS_LIMIT_S (60),
+# TESTS_LIMIT_S (100, both test stages), TEST_TIMEOUT_S (60), PEER_WHEELS (.whl), BENCH_ARGS (more
+# bench_step.py arguments), SUITE_EXT_DIR (the extension dir), SUITE_COMMIT (the commit to name, where the
+# copy has no .git), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --rehearse ]; then
+  shift
+  exec bash benchmarks/rehearse_gpu_suite.sh "$@"
+fi
 out=${1:-${OUT:-gpu_suite_out}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
 budget=${SUITE_BUDGET_S:-480}
 t0=$(date +%s)
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fusedoff from this checkout, built in place by the JIT
-: > "$out/stages.tsv"
-: > "$out/suite.log"
+ext_dir=${SUITE_EXT_DIR:-${TMPDIR:-/tmp}/fusedoff_suite_ext_$(id -u)}
+mkdir -p "$ext_dir"
+# TORCH_EXTENSIONS_DIR: the suite's own, so that a lock found in it can only be a stopped build's
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1 \
+  TORCH_EXTENSIONS_DIR=$ext_dir
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fusedoff from this checkout
+unset FUSEDOFF_NO_JIT  # until the build stage has run
+for f in stages.tsv suite.log build.log cuda-tests.log bench.log; do : > "$out/$f"; done
 
 say() { echo "$*" | tee -a "$out/suite.log"; }
 left() { echo $(( budget - ($(date +%s) - t0) )); }
@@ -63,14 +83,15 @@ run_stage() {
 }
 skip_stage() { printf '%s\t200\t0\t0\t%s\n' "$1" "$2" >> "$out/stages.tsv"; say "-- $1: skipped ($2)"; }
 
-# ---- env ---------------------------------------------------------------------------------------------
+# ---- env: what this machine is, first ----------------------------------------------------------------
+say "== fusedoff GPU suite, $(date -u +%FT%TZ), commit ${SUITE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+run_stage env 30 suite.log "$py" benchmarks/suite_env.py
+env_rc=$?
+sed -n '/^-- env:/,$p' "$out/suite.log" | tail -n +2  # what it found, on the terminal too
 {
-  echo "== fusedoff GPU suite, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "cpus $(nproc), $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB"}'), TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
+    "MAX_JOBS=$MAX_JOBS TORCH_EXTENSIONS_DIR=$ext_dir"
   nvidia-smi 2>&1 | head -n 20
-  "$py" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda',
-torch.version.cuda, '| gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1
-  echo "nvcc: $(nvcc --version 2>/dev/null | tail -n 1) | ninja $(ninja --version 2>/dev/null) | c++ $(c++ -dumpversion 2>/dev/null)"
-  echo "cpus $(nproc), $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB"}'), TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
 } >> "$out/suite.log" 2>&1
 gpu=0
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && gpu=1
@@ -97,21 +118,35 @@ else
   say "-- deepspeed: not importable here, the ZeRO-Offload peer will say so"
 fi
 
-# ---- build -------------------------------------------------------------------------------------------
-run_stage build "$(limit "${BUILD_LIMIT_S:-270}" 160)" build.log "$py" -c "
-import time; t = time.time()
-from fusedoff._ext import load_extension
-m = load_extension()
-print(f'built: cuda kernels {m.with_cuda}, cpu isa {m.cpu_isa()}, {time.time() - t:.0f} s')"
+# ---- build: once; every later stage loads what it built, or nothing ------------------------------------
+# suite_build.py stops the build at its limit (cleanly: its lock removed); the stage's own timeout, later,
+# is only a backstop
+blim=$(limit "${BUILD_LIMIT_S:-270}" 160)
+run_stage build $(( blim + 60 )) build.log "$py" benchmarks/suite_build.py --ext-dir "$ext_dir" --limit-s "$blim"
 build=$?
+export FUSEDOFF_NO_JIT=1
 
-# ---- tests -------------------------------------------------------------------------------------------
+# ---- tests: the real streams first, each test under a time limit -----------------------------------------
 tests=0
+test_args=(--timeout-s "${TEST_TIMEOUT_S:-60}")
+if [ "$gpu" = 0 ]; then
+  "$py" benchmarks/suite_tests.py streams kernels triton --collect-only >> "$out/cuda-tests.log" 2>&1
+  say "-- tests: no GPU, the cuda tests skip; the order they would run in is in cuda-tests.log"
+fi
 if [ "$build" -eq 0 ]; then
-  run_stage tests "$(limit "${TESTS_LIMIT_S:-100}" 170)" cuda-tests.log \
-    "$py" -m pytest -m "cuda and not triton" -q -p no:cacheprovider -rfE
+  tests_t0=$(date +%s)
+  lim=$(limit "${STREAM_TESTS_LIMIT_S:-60}" 120)  # before the other tests: they only get what is left
+  run_stage tests-streams "$lim" cuda-tests.log "$py" benchmarks/suite_tests.py streams "${test_args[@]}" \
+    --deadline-s $(( lim - 15 ))
   tests=$?
+  lim=$(( ${TESTS_LIMIT_S:-100} - ($(date +%s) - tests_t0) ))
+  (( lim < 30 )) && lim=30
+  lim=$(limit "$lim" 170)
+  run_stage tests "$lim" cuda-tests.log "$py" benchmarks/suite_tests.py kernels "${test_args[@]}" \
+    --deadline-s $(( lim - 15 ))
+  tests=$(( tests || $? ))
 else
+  skip_stage tests-streams "the build failed"
   skip_stage tests "the build failed"
 fi
 
@@ -122,12 +157,14 @@ if [ -n "$ds_pid" ]; then
   ds_wait=$(( $(left) - 240 ))
   (( ds_wait > 120 )) && ds_wait=120
   while kill -0 "$ds_pid" 2> /dev/null && (( ds_wait > 0 )); do sleep 2; ds_wait=$(( ds_wait - 2 )); done
-  if kill -0 "$ds_pid" 2> /dev/null; then
-    kill "$ds_pid" 2> /dev/null
-    skip=(--skip zero_offload)
-    say "-- deepspeed: its op was not built in time; the ZeRO-Offload peer is skipped"
-  fi
+  kill "$ds_pid" 2> /dev/null
   wait "$ds_pid" 2> /dev/null
+  if ! grep -q "deepspeed cpu_adam op ready" "$ds_log"; then
+    # stopped or failed: the bench must not build it again, nor wait on the lock a stopped build leaves
+    rm -f "$ext_dir"/cpu_adam*/lock
+    skip=(--skip zero_offload)
+    say "-- deepspeed: its op was not built in time (or failed); the ZeRO-Offload peer is skipped"
+  fi
   { echo "== deepspeed cpu_adam op build"; cat "$ds_log"; } >> "$out/build.log" 2>&1
 fi
 deadline=$(( $(left) - 35 - ${TRITON_TESTS_S:-60} ))  # the Triton tests run after the bench
@@ -144,16 +181,19 @@ fi
 
 # ---- triton tests -------------------------------------------------------------------------------------
 if [ "$build" -eq 0 ]; then
-  run_stage triton "$(limit 600 35)" cuda-tests.log "$py" -m pytest -m "cuda and triton" -q -p no:cacheprovider -rfE
+  lim=$(limit 600 35)
+  run_stage triton "$lim" cuda-tests.log "$py" benchmarks/suite_tests.py triton "${test_args[@]}" \
+    --deadline-s $(( lim - 10 ))
   tests=$(( tests || $? ))
 else
   skip_stage triton "the build failed"
 fi
 
 # ---- verdict -----------------------------------------------------------------------------------------
+rm -f "$out"/.*.partial  # a CSV being written when the bench was stopped (the complete one is in place)
 {
   echo
   echo "== GPU suite verdict ($(date -u +%FT%TZ), $(( $(date +%s) - t0 )) s of a ${budget} s budget) =="
   timeout 30 "$py" benchmarks/targets.py "$out" 2>&1 || { echo "(targets.py failed; the stages:)"; cat "$out/stages.tsv"; }
 } | tee -a "$out/suite.log"
-exit $(( build || tests || bench ))
+exit $(( env_rc || build || tests || bench ))
