@@ -7,10 +7,10 @@
 //    tensors of a launch and the first block of each in a by-value table (AdamChunkTable, under the
 //    4 KB parameter limit), block -> tensor by binary search, a 64-bit base offset per block and a
 //    32-bit index inside it. The host launches until every tensor is done.
-//  - A tensor whose pointers are all 16-byte aligned is read and written with 16-byte accesses,
-//    kVectorElements per thread and step; the last (< kVectorElements) elements of its chunks, and
-//    every element of a tensor with an unaligned pointer (a view offset by one element), take the
-//    scalar path.
+//  - 16-byte accesses, kVectorElements per thread and step, from the tensor's vector head (the
+//    first element where all its pointers are 16-byte aligned) to the last whole vector of each
+//    chunk; the elements before the head and after the last vector take the scalar path, and so does
+//    every element of a tensor whose pointers differ in misalignment (multi_tensor.cuh).
 //  - Thread 0 of a block reads found_inf, grad_scale and the tensor's step and computes the
 //    AdamScalars (double pow) once; shared memory broadcasts them. With *found_inf != 0 every block
 //    returns before touching a tensor: the skip is decided on the device, with no host sync.
@@ -62,7 +62,7 @@ __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const AdamTensorPtrs& t, i
   return c;
 }
 
-// Elements [i, i + kVec) of a chunk whose pointers are 16-byte aligned; i is a multiple of kVec.
+// Elements [i, i + kVec) of a chunk; every pointer + i is 16-byte aligned (i >= the vector head).
 template <int kVec, bool kAmsgrad, bool kMaster, typename P, typename G>
 __device__ __forceinline__ void update_vector(const ChunkPtrs<P, G>& c, int i, float grad_scale,
                                               const AdamScalars& s) {
@@ -130,19 +130,25 @@ __global__ void __launch_bounds__(kThreads) adam_chunks_kernel(const __grid_cons
   constexpr int kVec = kVectorElements<P, G>;
   const ChunkPtrs<P, G> c = chunk_ptrs<P, G, kAmsgrad, kMaster>(tensor, work.begin);
   const int thread = static_cast<int>(threadIdx.x);
-  int scalar_begin = 0;
-  if (table.vector_aligned[work.slot]) {
-    scalar_begin = work.numel - work.numel % kVec;
-    for (int i = thread * kVec; i < scalar_begin; i += kThreads * kVec)
-      update_vector<kVec, kAmsgrad, kMaster>(c, i, grad_scale, s);
-  }
-  for (int i = scalar_begin + thread; i < work.numel; i += kThreads)
+  const BlockRuns runs = block_runs<kVec>(table.vector_head[work.slot], work.numel);
+  for (int i = thread; i < runs.vector_begin; i += kThreads) update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
+  for (int i = runs.vector_begin + thread * kVec; i < runs.vector_end; i += kThreads * kVec)
+    update_vector<kVec, kAmsgrad, kMaster>(c, i, grad_scale, s);
+  for (int i = runs.vector_end + thread; i < work.numel; i += kThreads)
     update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
 }
 
-bool vector_aligned(const AdamTensorPtrs& t, bool amsgrad, bool has_master) {
-  return aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq) &&
-         (!amsgrad || aligned16(t.max_exp_avg_sq)) && (!has_master || aligned16(t.master));
+// The vector head (multi_tensor.cuh) of the pointers the kernel reads or writes.
+template <typename P, typename G>
+int adam_vector_head(const AdamTensorPtrs& t, bool amsgrad, bool has_master) {
+  constexpr int kState = static_cast<int>(sizeof(float));
+  const Access accesses[] = {{t.param, static_cast<int>(sizeof(P))},
+                             {t.grad, static_cast<int>(sizeof(G))},
+                             {t.exp_avg, kState},
+                             {t.exp_avg_sq, kState},
+                             {t.max_exp_avg_sq, amsgrad ? kState : 0},
+                             {t.master, has_master ? kState : 0}};
+  return multi_tensor::vector_head(accesses);
 }
 
 template <typename P, typename G, bool kAmsgrad, bool kMaster>
@@ -150,10 +156,12 @@ void launch_adam_chunks(const AdamLaunch& launch) {
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   AdamChunkTable table{};
   table.args = AdamLaunchArgs{launch.grad_scale, launch.found_inf, launch.hyper};
-  const auto aligned = [&](const AdamTensorPtrs& t) { return vector_aligned(t, launch.amsgrad, launch.has_master); };
+  const auto head_of = [&](const AdamTensorPtrs& t) {
+    return adam_vector_head<P, G>(t, launch.amsgrad, launch.has_master);
+  };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
-             fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, aligned, "adam_step_cuda")) {
+             fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, head_of, "adam_step_cuda")) {
     adam_chunks_kernel<P, G, kAmsgrad, kMaster><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(table);
     check_launch("adam_step_cuda");
   }

@@ -10,8 +10,9 @@
 //  - The multi-tensor scheme of multi_tensor.cuh (as adam_cuda.cu): one block per chunk of
 //    kChunkElements, the tensors of a launch and the first block of each in a by-value table
 //    (ApolloChunkTable, under the 4 KB parameter limit), block -> tensor by binary search, a 64-bit
-//    base per block and a 32-bit index inside it, 16-byte accesses when all the pointers a phase
-//    uses are aligned, scalar accesses otherwise and for the tail of a chunk.
+//    base per block and a 32-bit index inside it, 16-byte accesses from the vector head (the first
+//    element where all the pointers a phase uses are aligned) to the last whole vector of a chunk,
+//    scalar accesses before and after it, and throughout where the pointers' misalignments differ.
 //  - Thread 0 of a block reads found_inf, grad_scale, the tensor's step and (except in 'reduce')
 //    its stats, all from device memory, and computes the tensor's constants once; shared memory
 //    broadcasts them. With *found_inf != 0 every kernel returns before writing anything: the skip
@@ -155,9 +156,9 @@ __device__ __forceinline__ void store_param(const ChunkPtrs<P, G>& c, int i, con
   store_elements(c.param + i, p);
 }
 
-// Elements [i, i + N) of a chunk, one phase; N > 1 needs 16-byte aligned pointers and i a
-// multiple of N. 'reduce' adds into `partial`, 'moments' into `sum_rebound`. Loads and stores are
-// those of the host kernel (apollo_cpu.cpp), phase by phase.
+// Elements [i, i + N) of a chunk, one phase; N > 1 needs every pointer + i 16-byte aligned (i at
+// or after the vector head). 'reduce' adds into `partial`, 'moments' into `sum_rebound`. Loads and
+// stores are those of the host kernel (apollo_cpu.cpp), phase by phase.
 template <int N, ApolloPhase kPhase, bool kMaster, bool kL2, typename P, typename G>
 __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, const BlockConstants& b,
                                               ApolloPartialsT<double>& partial, double& sum_rebound) {
@@ -278,13 +279,12 @@ __global__ void __launch_bounds__(kThreads) apollo_chunks_kernel(const __grid_co
   // at the rebound floor, say) is biased by up to n/2 ulps; the host kernel does the same.
   ApolloPartialsT<double> thread_partial{0.0, 0.0, 0.0, 0.0f};
   double thread_sum_rebound = 0.0;
-  int scalar_begin = 0;
-  if (table.vector_aligned[work.slot]) {
-    scalar_begin = work.numel - work.numel % kVec;
-    for (int i = thread * kVec; i < scalar_begin; i += kThreads * kVec)
-      step_elements<kVec, kPhase, kMaster, kL2>(c, i, b, thread_partial, thread_sum_rebound);
-  }
-  for (int i = scalar_begin + thread; i < work.numel; i += kThreads)
+  const BlockRuns runs = block_runs<kVec>(table.vector_head[work.slot], work.numel);
+  for (int i = thread; i < runs.vector_begin; i += kThreads)
+    step_elements<1, kPhase, kMaster, kL2>(c, i, b, thread_partial, thread_sum_rebound);
+  for (int i = runs.vector_begin + thread * kVec; i < runs.vector_end; i += kThreads * kVec)
+    step_elements<kVec, kPhase, kMaster, kL2>(c, i, b, thread_partial, thread_sum_rebound);
+  for (int i = runs.vector_end + thread; i < work.numel; i += kThreads)
     step_elements<1, kPhase, kMaster, kL2>(c, i, b, thread_partial, thread_sum_rebound);
   ApolloPartials partial{static_cast<float>(thread_partial.sum_d4), static_cast<float>(thread_partial.sum_yd),
                          static_cast<float>(thread_partial.sum_bdd), thread_partial.max_abs_y};
@@ -366,28 +366,34 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- host side -------------------------------------------------------------------------------
 
-// Whether every pointer the phase reads or writes is 16-byte aligned.
-bool vector_aligned(const ApolloTensorPtrs& t, ApolloPhase phase, bool has_master, bool l2) {
+// The vector head (multi_tensor.cuh) of the pointers the phase reads or writes.
+template <typename P, typename G>
+int apollo_vector_head(const ApolloTensorPtrs& t, ApolloPhase phase, bool has_master, bool l2) {
+  constexpr int kState = static_cast<int>(sizeof(float));
   const bool uses_grad = phase != ApolloPhase::Finish;
   const bool uses_param = phase != ApolloPhase::Reduce || l2;
-  return aligned16(t.exp_avg_grad) && aligned16(t.approx_hessian) && aligned16(t.update) &&
-         (!uses_grad || aligned16(t.grad)) && (!uses_param || aligned16(t.param)) &&
-         (!uses_param || !has_master || aligned16(t.master));
+  const Access accesses[] = {{t.exp_avg_grad, kState},
+                             {t.approx_hessian, kState},
+                             {t.update, kState},
+                             {t.grad, uses_grad ? static_cast<int>(sizeof(G)) : 0},
+                             {t.param, uses_param ? static_cast<int>(sizeof(P)) : 0},
+                             {t.master, uses_param && has_master ? kState : 0}};
+  return multi_tensor::vector_head(accesses);
 }
 
 // Walks the launches of one call in order: fills `table` with the next tensors (the partials of
 // consecutive launches follow one another in the workspace) and calls run(table, blocks).
-template <typename Run>
+template <typename P, typename G, typename Run>
 void for_each_launch(const ApolloLaunch& launch, bool l2, ApolloChunkTable& table, Run&& run) {
   table.args = ApolloLaunchArgs{launch.grad_scale, launch.found_inf, nullptr, launch.hyper};
   const int64_t floats_per_block = partial_floats(launch.phase);
   float* partials = static_cast<float*>(launch.workspace);
-  const auto aligned = [&](const ApolloTensorPtrs& t) {
-    return vector_aligned(t, launch.phase, launch.has_master, l2);
+  const auto head_of = [&](const ApolloTensorPtrs& t) {
+    return apollo_vector_head<P, G>(t, launch.phase, launch.has_master, l2);
   };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
-             fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, aligned, "apollo_step_cuda")) {
+             fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, head_of, "apollo_step_cuda")) {
     table.args.partials = partials;
     run(static_cast<const ApolloChunkTable&>(table), blocks);
     if (floats_per_block > 0) partials += blocks * floats_per_block;
@@ -399,7 +405,7 @@ void launch_apollo_chunks(const ApolloLaunch& launch) {
   constexpr int kFields = kPartialFloats<kPhase>;
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   ApolloChunkTable table{};
-  for_each_launch(launch, kL2, table, [&](const ApolloChunkTable& t, int64_t blocks) {
+  for_each_launch<P, G>(launch, kL2, table, [&](const ApolloChunkTable& t, int64_t blocks) {
     apollo_chunks_kernel<P, G, kMaster, kPhase, kL2><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(t);
     check_launch("apollo_step_cuda");
     if constexpr (kFields > 0) {

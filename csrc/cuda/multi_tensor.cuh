@@ -11,9 +11,14 @@
 //    covers any tensor up to 2^31 - 1 chunks (3.5e13 elements). The host launches until every
 //    tensor is done (fill_chunk_table).
 //  - Indexing: a 64-bit base offset per block (chunk * kChunkElements), a 32-bit index inside it.
-//  - 16-byte loads and stores with conversion to and from fp32 (load_vector, store_vector), for
-//    tensors whose pointers are all 16-byte aligned; the kernels fall back to scalar accesses for
-//    the others and for the last (< kVectorElements) elements of a chunk.
+//  - 16-byte loads and stores with conversion to and from fp32 (load_vector, store_vector) from a
+//    tensor's vector head on: the first element at which all its pointers are 16-byte aligned
+//    (vector_head; 0 for tensors that start aligned, up to 7 for views and shards at an offset that
+//    all pointers share). Each chunk starts with the same misalignment as its tensor
+//    (kChunkElements * element size is a multiple of 16), so a block accesses elements
+//    [0, head) one at a time, then 16-byte words, then the last (< kVectorElements) elements one at
+//    a time. A tensor whose pointers differ in misalignment (head -1) is accessed one element at a
+//    time throughout.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,7 +56,7 @@ struct ChunkTable {
   LaunchArgs args;
   int32_t first_block[kMaxTensors];  // strictly increasing: empty tensors are left out
   int32_t num_tensors;
-  bool vector_aligned[kMaxTensors];  // the tensor's pointers that the kernel uses are 16-byte aligned
+  int8_t vector_head[kMaxTensors];  // vector_head() of the tensor's pointers that the kernel uses
 };
 
 // What one block works on: elements [begin, begin + numel) of tensor `slot` of the table.
@@ -78,14 +83,36 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE BlockWork block_work(const Table& table, in
   return {lo, begin, static_cast<int>(left < kChunkElements ? left : kChunkElements)};
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// One array a kernel reads or writes: its pointer and element size, or element_bytes 0 if the
+// kernel does not touch it (its pointer is then ignored).
+struct Access {
+  const void* ptr;
+  int element_bytes;
+};
+
+// The first element index at which every accessed pointer is 16-byte aligned, or -1 if there is
+// none (their misalignments differ). Element-aligned pointers meet a 16-byte boundary every
+// 16 / element_bytes elements, so a head exists below 16 if at all: 0 for aligned tensors, and at
+// most 7 (16-bit arrays) otherwise.
+template <int kCount>
+int vector_head(const Access (&accesses)[kCount]) {
+  for (int head = 0; head < 16; ++head) {
+    bool aligned = true;
+    for (const Access& a : accesses) {
+      const uintptr_t address = reinterpret_cast<uintptr_t>(a.ptr) + static_cast<uintptr_t>(head * a.element_bytes);
+      aligned = aligned && (a.element_bytes == 0 || address % 16 == 0);
+    }
+    if (aligned) return head;
+  }
+  return -1;
+}
 
 // Fills `table` (all but `table.args`) with the tensors from `next_tensor` on that fit in one
 // launch, advances `next_tensor` past them and returns the launch's number of blocks: 0 when no
-// tensor is left. `vector_aligned(tensor)` says whether the tensor takes the 16-byte path.
-template <typename Table, typename TensorPtrs, typename VectorAligned>
+// tensor is left. `head_of(tensor)` is the tensor's vector_head.
+template <typename Table, typename TensorPtrs, typename HeadOf>
 int64_t fill_chunk_table(const TensorPtrs* tensors, int64_t num_tensors, int64_t& next_tensor, Table& table,
-                         VectorAligned&& vector_aligned, const char* op_name) {
+                         HeadOf&& head_of, const char* op_name) {
   table.num_tensors = 0;
   int64_t blocks = 0;
   for (; next_tensor < num_tensors && table.num_tensors < Table::kCapacity; ++next_tensor) {
@@ -99,10 +126,24 @@ int64_t fill_chunk_table(const TensorPtrs* tensors, int64_t num_tensors, int64_t
     const int slot = table.num_tensors++;
     table.tensors[slot] = t;
     table.first_block[slot] = static_cast<int32_t>(blocks);
-    table.vector_aligned[slot] = vector_aligned(t);
+    table.vector_head[slot] = static_cast<int8_t>(head_of(t));
     blocks += tensor_blocks;
   }
   return blocks;
+}
+
+// A block's elements in three runs: [0, vector_begin) and [vector_end, numel) one at a time,
+// [vector_begin, vector_end) in steps of kVec elements at 16-byte aligned addresses.
+struct BlockRuns {
+  int vector_begin;
+  int vector_end;
+};
+
+template <int kVec>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE BlockRuns block_runs(int head, int numel) {
+  if (head < 0) return {0, 0};  // misalignments differ: every element one at a time
+  const int begin = head < numel ? head : numel;
+  return {begin, begin + (numel - begin) / kVec * kVec};
 }
 
 // Throws if the last kernel launch on this thread failed (bad configuration, too many resources).
