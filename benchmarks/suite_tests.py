@@ -9,7 +9,7 @@ pytest run that a hung test ended started again without it.
 Each test runs under tests/per_test_timeout.py's --test-timeout: a test that takes too long fails and
 the run goes on; a test stuck where the timeout cannot reach it (in C, a CUDA synchronisation that never
 returns) ends the process after the grace, and the run starts again without that test and those done
-(at most --restarts times). The progress file keeps each hung test's stacks.
+(at most --restarts times). Each hung test's stacks are printed into the log.
 
     python3 benchmarks/suite_tests.py streams [--timeout-s 60] [--deadline-s 100]
     python3 benchmarks/suite_tests.py streams kernels triton --collect-only   # the order they would run in
@@ -80,7 +80,11 @@ def summary(done: dict[str, str], hung: list[str]) -> str:
 def run_until_done(name: str, command: list[str], args) -> int:
     """`command` (a pytest run) with the time limit and a progress file, started again after each hung test
     without it and the tests done; returns pytest's exit status (1 if a test hung)."""
-    progress = Path(tempfile.mkdtemp(prefix=f"fusedoff_{name}_")) / "progress.txt"
+    with tempfile.TemporaryDirectory(prefix=f"fusedoff_{name}_") as scratch:
+        return _run_until_done(name, command, args, Path(scratch) / "progress.txt")
+
+
+def _run_until_done(name: str, command: list[str], args, progress: Path) -> int:
     hung: list[str] = []
     start = time.monotonic()
     rc = 0

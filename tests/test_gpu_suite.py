@@ -139,36 +139,36 @@ def fake_contender(name: str, step, emitted: list, seen: dict) -> bench_step.Con
     return bench_step.Contender(name, "peer", "none", name, traffic.Traffic(memory=1), build)
 
 
-def dry_args(*more: str):
+@pytest.fixture
+def dry_args(tmp_path):
     return bench_step.parse_args(["--dry-run", "--sizes", "4096", "--tensor-size", "1024", "--repeats", "3",
-                                  "--warmup", "2", *more])
+                                  "--warmup", "2", "--out-dir", str(tmp_path)])
 
 
-def test_rows_are_written_per_contender_before_the_next_one_starts(monkeypatch):
+def test_rows_are_written_per_contender_before_the_next_one_starts(monkeypatch, dry_args):
     emitted, seen = [], {}
     contenders = [fake_contender(n, lambda: None, emitted, seen) for n in ("a", "b", "c")]
     monkeypatch.setattr(bench_step, "contenders_for", lambda optimizer, workload, args: contenders)
-    args = dry_args()
-    bench_step.run_group((4096, "adamw", "fp32"), args, traffic.Bandwidth(host=1e10), float("inf"), "",
+    bench_step.run_group((4096, "adamw", "fp32"), dry_args, traffic.Bandwidth(host=1e10), float("inf"), "",
                          emitted.append)
     assert [[r["contender"] for r in rows] for rows in emitted] == [["a"], ["b"], ["c"]]
     assert seen == {"a": 0, "b": 1, "c": 2}
     assert all(rows[0]["status"] == "ok" and rows[0]["repeats"] == 3 for rows in emitted)
 
 
-def test_warm_up_is_bounded_by_the_deadline(monkeypatch):
+def test_warm_up_is_bounded_by_the_deadline(monkeypatch, dry_args):
     emitted, seen = [], {}
     slow = fake_contender("slow", lambda: time.sleep(30), emitted, seen)
     monkeypatch.setattr(bench_step, "contenders_for", lambda optimizer, workload, args: [slow])
     monkeypatch.setattr(bench_step, "estimate_seconds", lambda *a: 0.0)
     start = time.monotonic()
-    bench_step.run_group((4096, "adamw", "fp32"), dry_args(), traffic.Bandwidth(host=1e10),
+    bench_step.run_group((4096, "adamw", "fp32"), dry_args, traffic.Bandwidth(host=1e10),
                          time.perf_counter() + 1.0, "", emitted.append)
     assert time.monotonic() - start < 10
     assert emitted[0][0]["status"].startswith("skipped: the deadline passed in its first step")
 
 
-def test_a_group_past_the_deadline_is_not_allocated(monkeypatch):
+def test_a_group_past_the_deadline_is_not_allocated(monkeypatch, dry_args):
     allocated = []
     make = bench_step.make_workload
 
@@ -179,7 +179,7 @@ def test_a_group_past_the_deadline_is_not_allocated(monkeypatch):
 
     monkeypatch.setattr(bench_step, "make_workload", spy)
     emitted = []
-    bench_step.run_group((4096, "adamw", "fp32"), dry_args(), traffic.Bandwidth(host=1e10),
+    bench_step.run_group((4096, "adamw", "fp32"), dry_args, traffic.Bandwidth(host=1e10),
                          time.perf_counter() - 1.0, "", emitted.append)
     assert allocated == [0]
     assert emitted and all(rows[0]["status"] == "skipped: past the deadline" for rows in emitted)
