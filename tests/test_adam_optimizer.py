@@ -358,17 +358,18 @@ def test_clip_grad_norm_matches_torch(backend, device, use_scaler, norm_type):
 
 def test_clip_grad_norm_of_bf16_grads_holds_at_most_one_fp32_gradient_copy():
     """The norm of bf16 gradients, accumulated in fp32, is within the oracle bound of torch's norm
-    of fp32 copies of them (float64 oracle; measured: torch's own error, 9.2e-5 relative for l2, 0
+    of fp32 copies of them (float64 oracle; measured: torch's own error, 1.4e-4 relative for l2, 0
     for inf), and the host memory it takes stays below an fp32 copy of the largest gradient plus
     half the next. On the CPU torch's norm with dtype=float32 upcasts each tensor it reads, so
     fusedoff reads the gradients one at a time and never holds all of them upcast (measured: a
-    peak of 36 MiB, the largest gradient's fp32 copy, under a bound of 48 MiB; all of them upcast
-    at once would be 60). The peak is the process's resident memory (VmHWM, reset before the call);
-    the largest copies are above glibc's largest mmap threshold (32 MiB), so they are fresh memory."""
+    peak of 36 MiB, one gradient's fp32 copy, under a bound of 54 MiB; all of them upcast at once
+    measured 72). The peak is the process's resident memory (VmHWM, reset before the call). Both
+    large copies are above glibc's largest mmap threshold (32 MiB), so each is fresh memory that
+    the peak counts: a smaller one could reuse heap pages earlier tests left resident."""
     if not memory.reset_host_peak():
         pytest.skip("this kernel does not let the peak resident memory be reset")
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (9 * 2**20, 6 * 2**20, 1000)]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (9 * 2**20, 9 * 2**20, 1000)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
     opt = fusedoff.AdamW(params, lr=1e-2)
