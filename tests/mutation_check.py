@@ -435,6 +435,10 @@ def main() -> int:
         return 1 if stale else 0
 
     started = time.perf_counter()
+    commit = run_command(["git", "log", "-1", "--format=%h %s"], ROOT).stdout.strip()
+    print(f"fusedoff mutation check, {time.strftime('%Y-%m-%d')}: a scratch copy of "
+          f"{'HEAD ' + commit[:60] if args.source == 'head' else 'the working tree'}; {os.cpu_count()} CPUs, "
+          f"no GPU used; nvcc {'found' if shutil.which('nvcc') else 'not found'}", flush=True)
     path = Path(tempfile.mkdtemp(prefix="fusedoff_mutation_check_"))
     try:
         scratch = Scratch(path, args.source)
