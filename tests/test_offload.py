@@ -364,11 +364,43 @@ def test_user_state_dict_hooks_see_complete_dicts():
 def test_cuda_failed_pinning_leaves_no_error_behind():
     """A failed cudaHostRegister (here: memory already registered) returns False, and the CUDA
     error it leaves is cleared: the next launch check must not report it as its own."""
-    from fusedoff.offload.cuda_runtime import pin_in_place as _pin
+    from fusedoff.offload.cuda_runtime import pin_in_place, unpin_slabs
 
     slab = torch.zeros(1024)
-    assert _pin(slab, torch.device("cuda"))
-    assert not _pin(slab, torch.device("cuda"))  # cudaErrorHostMemoryAlreadyRegistered
+    assert pin_in_place(slab, torch.device("cuda"))
+    assert not pin_in_place(slab, torch.device("cuda"))  # cudaErrorHostMemoryAlreadyRegistered
     x = torch.ones(8, device="cuda") * 2  # a kernel launch, checked by torch
     torch.cuda.synchronize()
     assert x.sum().item() == 16
+    unpin_slabs([slab], torch.cuda.current_device())
+
+
+@pytest.mark.cuda
+def test_cuda_a_store_freed_during_graph_capture_keeps_its_memory_until_unpinned():
+    """A store freed while a graph is captured must not synchronise (that would break the
+    capture) nor hand its memory back while copies queued before the capture may use it."""
+    from fusedoff.offload import cuda_runtime
+
+    params = [torch.nn.Parameter(torch.randn(4096, device="cuda"))]
+    opt = fusedoff.AdamW(params, offload="stream", chunk_size=1024)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    layout = next(iter(opt._engine.layouts.values()))
+    slab_pointer = layout.store.slabs["exp_avg"][0].data_ptr()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        del opt, layout  # the store (and its finalizer) go now, inside the capture
+        import gc
+
+        gc.collect()
+        x = params[0] * 2  # something to capture
+    deferred = [s for slabs, _ in cuda_runtime._deferred_unpins for s in slabs]
+    assert any(s.data_ptr() == slab_pointer for s in deferred)  # kept alive, not yet unpinned
+    probe = torch.zeros(16)
+    assert cuda_runtime.pin_in_place(probe, torch.device("cuda"))  # the next pinning unpins them
+    assert not cuda_runtime._deferred_unpins
+    cuda_runtime.unpin_slabs([probe], torch.cuda.current_device())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, params[0] * 2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
-import weakref
 
 import torch
 from torch import Tensor
@@ -58,6 +57,10 @@ class CudaRuntime(Runtime):
     def pin(self, tensor: Tensor) -> bool:
         return pin_in_place(tensor, self.device)
 
+    def unpin(self, tensors: list[Tensor]) -> None:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        unpin_slabs(tensors, index)
+
     def memory_info(self) -> tuple[int, int]:
         return (torch.cuda.get_device_properties(self.device).total_memory,
                 torch.cuda.max_memory_allocated(self.device))
@@ -66,40 +69,38 @@ class CudaRuntime(Runtime):
         return torch.cuda.is_current_stream_capturing()
 
 
-
-
-# Slabs freed while a CUDA graph was being captured: unpinned at the next pinning (see _unpin).
-_deferred_unpins: list[tuple[int, int]] = []
+# Stores freed while a CUDA graph was being captured: their slabs, kept alive (copies queued
+# before the capture may still use them) and unpinned at the next pinning (see unpin_slabs).
+_deferred_unpins: list[tuple[list[Tensor], int]] = []
 
 
 def pin_in_place(tensor: Tensor, device: torch.device) -> bool:
-    """Page-locks `tensor`'s memory in place (unlocked when it is freed, after the copies queued on
-    `device` have finished); False if that fails."""
+    """Page-locks `tensor`'s memory in place; False if that fails. `unpin_slabs` unlocks it."""
     while _deferred_unpins:
-        _unpin(*_deferred_unpins.pop())
+        unpin_slabs(*_deferred_unpins.pop())
     cudart = torch.cuda.cudart()
     nbytes = tensor.numel() * tensor.element_size()
     if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
         _clear_cuda_error()
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    finalizer = weakref.finalize(tensor, _unpin, tensor.data_ptr(), index)
-    finalizer.atexit = False  # the process is ending: nothing to give back, and CUDA may be gone
     return True
 
 
-def _unpin(pointer: int, device: int) -> None:
+def unpin_slabs(slabs: list[Tensor], device: int) -> None:
+    """Unlocks slabs pinned by `pin_in_place`, once the copies queued on `device` have finished
+    (a store's finalizer: the store holds the slabs until then)."""
     if torch.cuda.is_current_stream_capturing():
         # A synchronisation now would invalidate the user's graph capture (a garbage collection
-        # can free a store at any moment): unpin later, before the next pinning.
-        _deferred_unpins.append((pointer, device))
+        # can free a store at any moment): keep the memory, unpin before the next pinning.
+        _deferred_unpins.append((slabs, device))
         return
-    # Copies to or from the slab may still be queued on the pipeline's streams (of this store's
+    # Copies to or from the slabs may still be queued on the pipeline's streams (of this store's
     # device only: touching another device would create a CUDA context there): let them finish
     # before the memory is unlocked and handed back to the host allocator.
     torch.cuda.synchronize(device)
-    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
-        _clear_cuda_error()
+    for slab in slabs:
+        if int(torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())) != 0:
+            _clear_cuda_error()
 
 
 def _clear_cuda_error() -> None:

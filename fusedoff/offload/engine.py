@@ -217,7 +217,7 @@ class OffloadEngine:
             pipeline = self.pipelines.get(device)
             if pipeline is None:
                 pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
-            store = HostStateStore(plan, names, pin=rt.pin if rt.asynchronous else None)
+            store = HostStateStore(plan, names, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
         layout = StateLayout(params, names, resident, plan, store, pipeline, initial,
                              {id(p): i for i, p in enumerate(params)}, [bool(shard_groups(p)) for p in params],
                              rt, self.wait_host, {name: [None] * len(params) for name in names})

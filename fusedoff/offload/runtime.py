@@ -79,6 +79,9 @@ class Runtime:
         """Page-locks `tensor`'s memory in place for copies to this device; False if not possible."""
         return False
 
+    def unpin(self, tensors: list[Tensor]) -> None:
+        """Unlocks tensors `pin` locked, once the copies queued on the device are done."""
+
     def memory_info(self) -> tuple[int, int]:
         """(total bytes, peak bytes this process allocated so far) of the device."""
         raise NotImplementedError(f"no memory figures for {self.device}")

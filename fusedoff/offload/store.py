@@ -11,6 +11,7 @@ rounds each request up to a power of two): the store holds the bytes it needs an
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -27,22 +28,31 @@ class HostStateStore:
     copy moves.
     """
 
-    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: Callable[[Tensor], bool] | None = None) -> None:
-        """`pin(slab)` page-locks a slab for the device's copies (None: nothing to pin for)."""
+    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: Callable[[Tensor], bool] | None = None,
+                 unpin: Callable[[list[Tensor]], None] | None = None) -> None:
+        """`pin(slab)` page-locks a slab for the device's copies (None: nothing to pin for);
+        `unpin(slabs)` unlocks them when the store is freed (it holds them until then)."""
         self.plan = plan
         self.names = names
         self.pinned = pin is not None
         self.slabs: dict[str, list[Tensor]] = {}
+        pinned = []
         for name in names:
             slabs = []
             for size in plan.segment_sizes:
                 slab = torch.zeros(size, dtype=torch.float32)
-                if self.pinned and size and not pin(slab):
-                    warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
-                                  "pageable memory (slower)", stacklevel=3)
-                    self.pinned = False
+                if self.pinned and size:
+                    if pin(slab):
+                        pinned.append(slab)
+                    else:
+                        warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
+                                      "pageable memory (slower)", stacklevel=3)
+                        self.pinned = False
                 slabs.append(slab)
             self.slabs[name] = slabs
+        if pinned and unpin is not None:
+            finalizer = weakref.finalize(self, unpin, pinned)
+            finalizer.atexit = False  # the process is ending: nothing to give back, and CUDA may be gone
 
     @property
     def nbytes(self) -> int:
