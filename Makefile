@@ -29,8 +29,10 @@ $(BIN)/python:
 	# torch and the build tools first: `--no-build-isolation` below builds against them
 	$(BIN)/pip install --quiet -c constraints.txt torch setuptools ninja
 
-$(STAMP): $(BIN)/python $(SOURCES) constraints.txt
+$(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integrations.txt
 	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip install --no-build-isolation -c constraints.txt -e ".[test,demo]"
+	# test-only: the training libraries of tests/test_integrations.py and coverage (never run-time deps)
+	$(BIN)/pip install --quiet -c constraints.txt -r requirements-test-integrations.txt coverage
 	touch $@
 
 # 1. tests/test_packaging.py builds the sdist and installs it into $(OLDEST) as a user would
@@ -41,7 +43,9 @@ test-oldest: $(STAMP) $(OLDEST)/bin/python
 	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py $(ARGS)
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
 	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml $(OLDEST_SUITE)/
-	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py $(ARGS)
+	# (the training-library integrations run on the pinned torch only: their versions follow it)
+	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
+		--ignore=tests/test_integrations.py $(ARGS)
 
 $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)
