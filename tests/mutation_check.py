@@ -20,7 +20,7 @@ that it is a valid program, reported as "not runnable here (CUDA)" and left out 
 A test that fails on a mutation counts only if it passes on the unmutated copy (checked once per
 test); one that fails there too is deselected and the mutation run again.
 
-It takes about an hour on two cores (C++ rebuilds, and every missed mutation runs its whole subset):
+It takes about 30 minutes on two cores (C++ rebuilds, and every missed mutation runs its whole subset):
 not part of every CI run. Exit status 0 when every runnable mutation is caught.
 """
 
