@@ -100,7 +100,8 @@ class FusedOptimizer(Optimizer):
         """Clips the gradients of all parameters by their total norm, inside the next step.
 
         Returns the total norm (a tensor on the first gradient's device), computed from the
-        gradients as they are stored (fp16/bf16/fp32, accumulated in fp32, no fp32 copies). The
+        gradients as they are stored (fp16/bf16/fp32, accumulated in fp32; on CPU torch's norm copies
+        one low-precision gradient at a time to fp32, never all of them). The
         clip factor min(1, max_norm / (norm + 1e-6)) is not applied to the gradients: it is folded
         into the divisor the next ``step()`` applies inside its kernels, so nothing synchronises
         with the host and no gradient is rewritten. With ``torch.amp.GradScaler`` call

@@ -12,7 +12,8 @@ from fusedoff.sharding import all_reduce_over_shards_, is_dtensor, local_tensor
 
 def total_grad_norm(params: list[Tensor], norm_type: float) -> Tensor:
     """The norm of all of `params`' gradients together, from the gradients as they are stored
-    (fp16/bf16/fp32, accumulated in fp32, no copies), on the first gradient's device; sharded
+    (fp16/bf16/fp32, accumulated in fp32; torch's CPU norm makes an fp32 copy of one low-precision
+    gradient at a time, never of all at once), on the first gradient's device; sharded
     gradients combine their shards' norms over the ranks holding them."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
     for t, p in enumerate(params):
