@@ -40,19 +40,24 @@ def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
     return view
 
 
-def adam_problem(param_dtype, grad_dtype, seed=0):
+def problem(param_dtype, grad_dtype, states, seed=0):
+    """Params (with fp32 masters for low-precision ones), grads, step counts, and the optimizer's
+    states: `states` maps each name to (torch.randn or torch.rand, scale)."""
     gen = torch.Generator().manual_seed(seed)
-    master = param_dtype != torch.float32
     p32 = [torch.randn(n, generator=gen) for n in SIZES]
-    return {
+    out = {
         "params": [p.to(param_dtype) for p in p32],
         "grads": [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for n in SIZES],
-        "exp_avgs": [torch.randn(n, generator=gen) * 1e-2 for n in SIZES],
-        "exp_avg_sqs": [torch.rand(n, generator=gen) * 1e-3 for n in SIZES],
-        "max_exp_avg_sqs": [torch.rand(n, generator=gen) * 1e-3 for n in SIZES],
-        "master_params": [p.clone() for p in p32] if master else [],
-        "steps": [torch.full((), 3.0) for _ in SIZES],
     }
+    out |= {name: [make(n, generator=gen) * scale for n in SIZES] for name, (make, scale) in states.items()}
+    out["master_params"] = [p.clone() for p in p32] if param_dtype != torch.float32 else []
+    out["steps"] = [torch.full((), 3.0) for _ in SIZES]
+    return out
+
+
+def adam_problem(param_dtype, grad_dtype, seed=0):
+    return problem(param_dtype, grad_dtype, {"exp_avgs": (torch.randn, 1e-2), "exp_avg_sqs": (torch.rand, 1e-3),
+                                             "max_exp_avg_sqs": (torch.rand, 1e-3)}, seed)
 
 
 def placed(problem: dict, device: str, offsets: tuple[int, int]) -> dict:
@@ -72,18 +77,8 @@ def run_adam(tensors: dict, backend: str) -> dict:
 
 
 def apollo_problem(param_dtype, grad_dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    master = param_dtype != torch.float32
-    p32 = [torch.randn(n, generator=gen) for n in SIZES]
-    return {
-        "params": [p.to(param_dtype) for p in p32],
-        "grads": [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for n in SIZES],
-        "exp_avg_grads": [torch.randn(n, generator=gen) * 1e-2 for n in SIZES],
-        "approx_hessians": [torch.rand(n, generator=gen) * 1e-2 for n in SIZES],
-        "updates": [torch.randn(n, generator=gen) * 1e-3 for n in SIZES],
-        "master_params": [p.clone() for p in p32] if master else [],
-        "steps": [torch.full((), 3.0) for _ in SIZES],
-    }
+    return problem(param_dtype, grad_dtype, {"exp_avg_grads": (torch.randn, 1e-2),
+                                             "approx_hessians": (torch.rand, 1e-2), "updates": (torch.randn, 1e-3)}, seed)
 
 
 def run_apollo(tensors: dict, backend: str, mode: dict) -> dict:
