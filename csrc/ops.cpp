@@ -167,6 +167,109 @@ void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
 }
 #endif
 
+// ---- Adam with compressed moments (state_codec.h) ----------------------------------------------
+
+void check_compressed_state(const at::Tensor& state, const at::Tensor& param, at::ScalarType dtype, int64_t numel,
+                            const char* what, int64_t index) {
+  TORCH_CHECK(state.scalar_type() == dtype, "fusedoff: ", what, "[", index, "] must be ", dtype, ", got ",
+              state.scalar_type());
+  TORCH_CHECK(state.device() == param.device(), "fusedoff: ", what, "[", index, "] is on ", state.device(),
+              " but its parameter is on ", param.device());
+  TORCH_CHECK(state.is_contiguous(), "fusedoff: ", what, "[", index, "] must be contiguous");
+  TORCH_CHECK(state.numel() == numel, "fusedoff: ", what, "[", index, "] has ", state.numel(), " elements, expected ",
+              numel);
+}
+
+CompressedAdamLaunch describe_compressed_adam_call(
+    at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, at::TensorList master_params,
+    at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys, double lr, double beta1, double beta2,
+    double eps, double weight_decay, bool decoupled_weight_decay, bool maximize,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+    std::vector<CompressedAdamTensorPtrs>& ptrs) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
+                  exp_avg_sqs.size() == params.size() && steps.size() == params.size() &&
+                  offsets.size() == params.size() && tensor_keys.size() == params.size(),
+              "fusedoff: params, grads, exp_avgs, exp_avg_sqs, steps, offsets and tensor_keys must have the same "
+              "length");
+  TORCH_CHECK(master_params.empty() || master_params.size() == params.size(),
+              "fusedoff: master_params must be empty or have one tensor per parameter");
+  CompressedAdamLaunch launch{};
+  launch.num_tensors = n;
+  launch.has_master = !master_params.empty();
+  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
+  if (n == 0) return launch;
+
+  const at::ScalarType state_type = exp_avgs[0].scalar_type();
+  TORCH_CHECK(state_type == at::kBFloat16 || state_type == at::kByte,
+              "fusedoff: compressed states are bfloat16 or uint8 (8-bit codes), got ", state_type);
+  const bool block8 = state_type == at::kByte;
+  launch.precision = block8 ? StatePrecision::Block8 : StatePrecision::BFloat16;
+  TORCH_CHECK(exp_avg_absmaxs.size() == (block8 ? params.size() : 0) &&
+                  exp_avg_sq_absmaxs.size() == exp_avg_absmaxs.size(),
+              "fusedoff: 8-bit states need one exp_avg_absmax and exp_avg_sq_absmax per parameter, bf16 states none");
+  const at::Device device = params[0].device();
+  launch.param_dtype = storage_dtype(params[0], "params");
+  launch.grad_dtype = storage_dtype(grads[0], "grads");
+  check_scalar(grad_scale, device, "grad_scale");
+  check_scalar(found_inf, device, "found_inf");
+  ptrs.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    check_param_grad_step(params, grads, steps, i, device);
+    const at::Tensor& p = params[i];
+    const int64_t blocks = (p.numel() + kQuantBlock - 1) / kQuantBlock;
+    check_compressed_state(exp_avgs[i], p, state_type, p.numel(), "exp_avgs", i);
+    check_compressed_state(exp_avg_sqs[i], p, state_type, p.numel(), "exp_avg_sqs", i);
+    if (block8) {
+      check_compressed_state(exp_avg_absmaxs[i], p, at::kFloat, blocks, "exp_avg_absmaxs", i);
+      check_compressed_state(exp_avg_sq_absmaxs[i], p, at::kFloat, blocks, "exp_avg_sq_absmaxs", i);
+    }
+    if (launch.has_master) check_state(master_params[i], p, "master_params", i);
+    TORCH_CHECK(offsets[i] >= 0 && (!block8 || offsets[i] % kQuantBlock == 0), "fusedoff: offsets[", i, "] is ",
+                offsets[i], "; ranges of 8-bit states start on a block of ", kQuantBlock, " elements");
+    TORCH_CHECK(tensor_keys[i] >= 0 && tensor_keys[i] <= 0xffffffffLL, "fusedoff: tensor_keys[", i,
+                "] must be a 32-bit unsigned value");
+    ptrs[i] = CompressedAdamTensorPtrs{p.data_ptr(),
+                                       grads[i].data_ptr(),
+                                       exp_avgs[i].data_ptr(),
+                                       exp_avg_sqs[i].data_ptr(),
+                                       block8 ? exp_avg_absmaxs[i].data_ptr<float>() : nullptr,
+                                       block8 ? exp_avg_sq_absmaxs[i].data_ptr<float>() : nullptr,
+                                       launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                                       steps[i].data_ptr<float>(),
+                                       p.numel(),
+                                       offsets[i],
+                                       static_cast<uint32_t>(tensor_keys[i])};
+  }
+  attach_tensors(launch, ptrs, grad_scale, found_inf);
+  return launch;
+}
+
+#define FUSEDOFF_COMPRESSED_ADAM_ARGS                                                                            \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,             \
+      at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, at::TensorList master_params,          \
+      at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys, double lr, double beta1,      \
+      double beta2, double eps, double weight_decay, bool decoupled_weight_decay, bool maximize,                \
+      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
+#define FUSEDOFF_COMPRESSED_ADAM_FORWARD                                                                         \
+  params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps, offsets,    \
+      tensor_keys, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, found_inf
+
+void adam_compressed_step_cpu_op(FUSEDOFF_COMPRESSED_ADAM_ARGS) {
+  std::vector<CompressedAdamTensorPtrs> ptrs;
+  CompressedAdamLaunch launch = describe_compressed_adam_call(FUSEDOFF_COMPRESSED_ADAM_FORWARD, ptrs);
+  run_on_cpu(launch, params, &adam_compressed_step_cpu);
+}
+
+#if defined(FUSEDOFF_WITH_CUDA)
+void adam_compressed_step_cuda_op(FUSEDOFF_COMPRESSED_ADAM_ARGS) {
+  std::vector<CompressedAdamTensorPtrs> ptrs;
+  CompressedAdamLaunch launch = describe_compressed_adam_call(FUSEDOFF_COMPRESSED_ADAM_FORWARD, ptrs);
+  run_on_cuda(launch, params, adam_compressed_step_cuda);
+}
+#endif
+
 // ---- Apollo -------------------------------------------------------------------------------
 
 ApolloRebound parse_rebound(c10::string_view rebound) {
@@ -290,6 +393,13 @@ TORCH_LIBRARY(fusedoff, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize, "
       "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+  // Adam with compressed moments: bf16 (stochastic rounding) or 8-bit codes with block scales, by
+  // the states' dtype (csrc/include/fusedoff/state_codec.h).
+  m.def(
+      "adam_compressed_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] exp_avg_absmaxs, Tensor(e!)[] exp_avg_sq_absmaxs, Tensor(f!)[] master_params, Tensor[] steps, "
+      "int[] offsets, int[] tensor_keys, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool decoupled_weight_decay, bool maximize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // One phase of an Apollo step over tensors or ranges of tensors (see csrc/include/fusedoff/apollo.h):
   // 'reduce' adds into `stats` (mutated), 'full' and 'finish' write params and states, 'moments'
   // writes m, B and stats.
@@ -302,12 +412,14 @@ TORCH_LIBRARY(fusedoff, m) {
 
 TORCH_LIBRARY_IMPL(fusedoff, CPU, m) {
   m.impl("adam_step_", &fusedoff::adam_step_cpu_op);
+  m.impl("adam_compressed_step_", &fusedoff::adam_compressed_step_cpu_op);
   m.impl("apollo_step_", &fusedoff::apollo_step_cpu_op);
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)
 TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) {
   m.impl("adam_step_", &fusedoff::adam_step_cuda_op);
+  m.impl("adam_compressed_step_", &fusedoff::adam_compressed_step_cuda_op);
   m.impl("apollo_step_", &fusedoff::apollo_step_cuda_op);
 }
 #endif

@@ -95,6 +95,61 @@ def adam_step_(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def adam_compressed_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_avg_absmaxs: Sequence[Tensor],
+    exp_avg_sq_absmaxs: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    offsets: Sequence[int],
+    tensor_keys: Sequence[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    backend: str,
+) -> None:
+    """One fused Adam/AdamW step whose moments are stored compressed (no amsgrad).
+
+    The states' dtype says how (see [note: compressed states] in csrc/include/fusedoff/state_codec.h):
+    bfloat16 (written with stochastic rounding; ``exp_avg_absmaxs``/``exp_avg_sq_absmaxs`` empty) or
+    uint8 codes with one fp32 absmax per block of ``fusedoff.kernels.codec.QUANT_BLOCK`` elements.
+    A tensor may be a range of a larger one: ``offsets`` gives its first element there (a multiple
+    of the block for 8-bit states), the origin of its blocks and of its random indices;
+    ``tensor_keys`` the random stream's keys (``codec.tensor_key``). The rest is ``adam_step_``'s.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if len(params) == 0:
+        return
+    tensors = (params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps)
+    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                 weight_decay=float(weight_decay), decoupled_weight_decay=bool(decoupled_weight_decay),
+                 maximize=bool(maximize), grad_scale=grad_scale, found_inf=found_inf)
+    offsets, tensor_keys = [int(o) for o in offsets], [int(k) for k in tensor_keys]
+    if backend in ("cpu", "cuda"):
+        _check_native_device(backend, params)
+        load_extension()
+        torch.ops.fusedoff.adam_compressed_step_(*(list(t) for t in tensors), offsets, tensor_keys, **hyper)
+    elif backend == "triton":
+        from fusedoff.kernels import triton_adam_compressed
+
+        triton_adam_compressed.adam_compressed_step_(*tensors, offsets, tensor_keys, **hyper)
+    else:
+        from fusedoff.kernels import reference
+
+        reference.adam_compressed_step_(*tensors, offsets, tensor_keys, **hyper)
+
+
 APOLLO_PHASES = ("reduce", "full", "moments", "finish")
 APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
 

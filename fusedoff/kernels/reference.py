@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fusedoff.kernels import codec
+
 
 def _math_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -75,6 +77,52 @@ def adam_step_(
         for target, value in updates:
             if found_inf is not None:
                 value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(math), value)
+            target.copy_(value)
+
+
+def adam_compressed_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_avg_absmaxs: Sequence[Tensor],
+    exp_avg_sq_absmaxs: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    offsets: Sequence[int],
+    tensor_keys: Sequence[int],
+    *,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    **hyper,
+) -> None:
+    """Adam/AdamW with compressed moments (see [note: compressed states] in state_codec.h): each
+    tensor's states decoded to fp32, `adam_step_` above, then encoded again; bf16 or 8-bit by the
+    states' dtype. `offsets` are the ranges' first elements in their tensors, `tensor_keys` the
+    random stream's keys (bf16)."""
+    for i, param in enumerate(params):
+        m_store, v_store = exp_avgs[i], exp_avg_sqs[i]
+        blocks8 = m_store.dtype == torch.uint8
+        if blocks8:
+            m = codec.dequantize(m_store, exp_avg_absmaxs[i], signed=True)
+            v = codec.dequantize(v_store, exp_avg_sq_absmaxs[i], signed=False)
+        else:
+            m, v = m_store.to(torch.float32), v_store.to(torch.float32)
+        master = [master_params[i]] if master_params else []
+        adam_step_([param], [grads[i]], [m], [v], [], master, [steps[i]], amsgrad=False, grad_scale=grad_scale,
+                   found_inf=found_inf, **hyper)
+        if blocks8:
+            m_codes, m_absmax = codec.quantize(m, signed=True)
+            v_codes, v_absmax = codec.quantize(v, signed=False)
+            writes = [(m_store, m_codes), (v_store, v_codes), (exp_avg_absmaxs[i], m_absmax),
+                      (exp_avg_sq_absmaxs[i], v_absmax)]
+        else:
+            index = offsets[i] + torch.arange(m.numel(), dtype=torch.int64, device=m.device)
+            bits = codec.rounding_bits(codec.rounding_step_key(tensor_keys[i], steps[i]), index)
+            writes = [(m_store, codec.bf16_stochastic(m, bits & 0xFFFF)), (v_store, codec.bf16_stochastic(v, bits >> 16))]
+        for target, value in writes:
+            if found_inf is not None:
+                value = torch.where(found_inf.reshape(()).to(torch.bool), target, value)
             target.copy_(value)
 
 

@@ -18,6 +18,7 @@
 
 #include "fusedoff/dtypes.h"
 #include "fusedoff/macros.h"
+#include "fusedoff/state_codec.h"
 
 namespace fusedoff {
 
@@ -113,6 +114,37 @@ struct AdamLaunch {
   const float* found_inf;   // nullptr: always step; *found_inf != 0: change nothing
   int num_threads;          // host only
   void* stream;             // device only: the cudaStream_t to launch on
+};
+
+// ---- compressed states (see [note: compressed states] in state_codec.h) -----------------------
+// One tensor, or the range of one that starts at element `offset` of it (a multiple of
+// kQuantBlock): moments stored as bf16, or as uint8 codes with one fp32 absmax per block.
+struct CompressedAdamTensorPtrs {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* exp_avg_absmax;     // 8-bit only: ceil(numel / kQuantBlock) scales
+  float* exp_avg_sq_absmax;  // 8-bit only
+  float* master;             // nullptr without master weights
+  const float* step;
+  int64_t numel;
+  int64_t offset;       // the range's first element in its tensor: origin of the blocks and random indices
+  uint32_t tensor_key;  // bf16: the tensor's key of the random stream
+};
+
+struct CompressedAdamLaunch {
+  const CompressedAdamTensorPtrs* tensors;
+  int64_t num_tensors;
+  DType param_dtype;
+  DType grad_dtype;
+  StatePrecision precision;  // BFloat16 or Block8
+  bool has_master;
+  AdamHyperparams hyper;
+  const float* grad_scale;
+  const float* found_inf;
+  int num_threads;
+  void* stream;
 };
 
 }  // namespace fusedoff

@@ -8,6 +8,8 @@ namespace fusedoff {
 
 // Host kernel: OpenMP across `launch.num_threads` threads, SIMD chosen at run time (cpu/isa.h).
 void adam_step_cpu(const AdamLaunch& launch);
+// Host Adam with compressed moments (state_codec.h).
+void adam_compressed_step_cpu(const CompressedAdamLaunch& launch);
 
 // Host Apollo kernel, one phase of the step (see apollo.h).
 void apollo_step_cpu(const ApolloLaunch& launch);
@@ -18,6 +20,7 @@ const char* cpu_isa_name();
 #if defined(FUSEDOFF_WITH_CUDA)
 // Device kernel: multi-tensor launches on `launch.stream`; pointers are device pointers.
 void adam_step_cuda(const AdamLaunch& launch);
+void adam_compressed_step_cuda(const CompressedAdamLaunch& launch);
 void apollo_step_cuda(const ApolloLaunch& launch);
 // The device memory apollo_step_cuda needs in `launch.workspace` (per-block partial sums of the
 // 'reduce' and 'moments' phases; 0 for the others), for the caller to take from its allocator.

@@ -1,0 +1,176 @@
+"""Compressed optimizer states in pure PyTorch: the ``torch`` backend's codecs, and the keys every backend uses.
+
+It mirrors ``csrc/include/fusedoff/state_codec.h`` (see [note: compressed states] there) line for
+line, with 32-bit unsigned arithmetic done in int64 tensors (products split so that none
+overflows), so its codes and random bits are those of the C++, CUDA and Triton kernels, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QUANT_BLOCK = 256  # elements per 8-bit scale (kQuantBlock)
+PRECISIONS = ("fp32", "bf16", "8bit")
+
+_MASK = 0xFFFFFFFF
+SIGNED_NAN, SIGNED_INF = 0x7F, 0x7E
+UNSIGNED_NAN, UNSIGNED_INF = 0xFF, 0xFE
+
+
+def state_dtype(precision: str) -> torch.dtype:
+    """The storage dtype of a moment state."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[precision]
+
+
+def num_blocks(numel: int) -> int:
+    return -(-int(numel) // QUANT_BLOCK)
+
+
+# ---- the counter-based random stream --------------------------------------------------------
+def mix32_int(x: int) -> int:
+    """`mix32` of state_codec.h on a Python int (host-side keys)."""
+    x &= _MASK
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK
+    x ^= x >> 16
+    return x
+
+
+def tensor_key(seed: int, position: int) -> int:
+    """The random stream's key of the parameter at `position` (its index in the state dict) under
+    the optimizer's `seed`: distinct tensors draw independent bits."""
+    return mix32_int((int(seed) & _MASK) ^ mix32_int(position ^ ((int(seed) >> 32) * 0x9E3779B9)))
+
+
+def _mul32(x: Tensor, constant: int) -> Tensor:
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + ((x * high) & 0xFFFF) * 65536) & _MASK
+
+
+def mix32(x: Tensor) -> Tensor:
+    """`mix32` on an int64 tensor of 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rounding_step_key(key: int, step: Tensor) -> Tensor:
+    """The key of one tensor at `step` (a float tensor holding the count after the increment)."""
+    return mix32(mix32(step.to(torch.int64) & _MASK) ^ key)
+
+
+def rounding_bits(step_key: Tensor, index: Tensor) -> Tensor:
+    """32 random bits (int64 tensor) for the elements at `index` (int64) of a tensor."""
+    high = _mul32((index >> 32) & _MASK, 0x9E3779B9)
+    return mix32((index & _MASK) ^ step_key ^ high)
+
+
+# ---- bit views --------------------------------------------------------------------------------
+def float_bits(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & _MASK
+
+
+def bits_float(u: Tensor) -> Tensor:
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
+
+
+# ---- bf16 with stochastic rounding -------------------------------------------------------------
+def bf16_stochastic(x: Tensor, random16: Tensor) -> Tensor:
+    """fp32 `x` to bf16, rounded up in magnitude with probability (dropped bits) / 2^16."""
+    u = float_bits(x.to(torch.float32))
+    nan = (u >> 16) | 0x0040
+    rounded = (u + random16) >> 16
+    out = torch.where((u & 0x7FFFFFFF) > 0x7F800000, nan, rounded)
+    return torch.where(out >= 2**15, out - 2**16, out).to(torch.int16).view(torch.bfloat16)
+
+
+# ---- 8-bit codes -------------------------------------------------------------------------------
+def _magnitude_code(magnitude: Tensor, min_normal_bits: int, bias_bits: int, subnormal_scale: float) -> Tensor:
+    u = float_bits(magnitude)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - bias_bits
+    subnormal = float_bits(magnitude * subnormal_scale + 8388608.0) - 0x4B000000
+    return torch.where(u >= min_normal_bits, normal, subnormal)
+
+
+def _safe(absmax: Tensor) -> Tensor:
+    return torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+
+
+def encode_signed(x: Tensor, absmax: Tensor) -> Tensor:
+    """uint8 codes of fp32 `x` under its block's `absmax` (broadcast), first-moment map."""
+    bits = float_bits(x)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    q = bits_float(magnitude_bits) / _safe(absmax)
+    code = _magnitude_code(q, 113 << 23, 112 << 3, 2.0**17)
+    code = torch.where(magnitude_bits == 0x7F800000, SIGNED_INF, code)
+    code = torch.where(magnitude_bits > 0x7F800000, SIGNED_NAN, code)
+    return (code | sign).to(torch.uint8)
+
+
+def decode_signed(code: Tensor, absmax: Tensor) -> Tensor:
+    c = code.to(torch.int64)
+    magnitude = c & 0x7F
+    field, mantissa = magnitude >> 3, magnitude & 7
+    normal = bits_float(((field + 112) << 23) | (mantissa << 20))
+    subnormal = mantissa.to(torch.float32) * 2.0**-17
+    value = torch.where(field != 0, normal, subnormal) * absmax
+    value = torch.where(magnitude == SIGNED_INF, torch.inf, value)
+    value = torch.where(magnitude == SIGNED_NAN, torch.nan, value)
+    return bits_float(float_bits(value) | ((c & 0x80) << 24))
+
+
+def encode_unsigned(x: Tensor, absmax: Tensor) -> Tensor:
+    """uint8 codes of fp32 `x` under its block's `absmax` (broadcast), second-moment map."""
+    bits = float_bits(x)
+    magnitude_bits = bits & 0x7FFFFFFF
+    q = bits_float(magnitude_bits) / _safe(absmax)
+    code = _magnitude_code(q, 97 << 23, 96 << 3, 2.0**33)
+    code = torch.where((code == 0) & (magnitude_bits != 0), 1, code)
+    code = torch.where(magnitude_bits == 0x7F800000, UNSIGNED_INF, code)
+    code = torch.where((magnitude_bits > 0x7F800000) | (bits > 0x80000000), UNSIGNED_NAN, code)
+    return code.to(torch.uint8)
+
+
+def decode_unsigned(code: Tensor, absmax: Tensor) -> Tensor:
+    c = code.to(torch.int64)
+    field, mantissa = c >> 3, c & 7
+    normal = bits_float(((field + 96) << 23) | (mantissa << 20))
+    subnormal = mantissa.to(torch.float32) * 2.0**-33
+    value = torch.where(field != 0, normal, subnormal) * absmax
+    value = torch.where(c == UNSIGNED_INF, torch.inf, value)
+    return torch.where(c == UNSIGNED_NAN, torch.nan, value)
+
+
+def finite_magnitude(x: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+
+
+# ---- whole tensors (flat): blocks counted from element 0 ---------------------------------------
+def _blocked(flat: Tensor) -> Tensor:
+    """`flat` padded with zeros to whole blocks, as (blocks, QUANT_BLOCK)."""
+    pad = num_blocks(flat.numel()) * QUANT_BLOCK - flat.numel()
+    return torch.cat([flat, flat.new_zeros(pad)]).view(-1, QUANT_BLOCK)
+
+
+def block_absmax(x: Tensor) -> Tensor:
+    """The fp32 scale of each block of flat fp32 `x`: its largest finite magnitude."""
+    return _blocked(finite_magnitude(x)).amax(dim=1) if x.numel() else x.new_zeros(0)
+
+
+def quantize(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes, absmax) of flat fp32 `x`."""
+    absmax = block_absmax(x)
+    scale = absmax.repeat_interleave(QUANT_BLOCK)[: x.numel()]
+    return (encode_signed if signed else encode_unsigned)(x, scale), absmax
+
+
+def dequantize(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
+    """Flat fp32 values of `codes` (flat uint8) under `absmax`."""
+    scale = absmax.to(torch.float32).repeat_interleave(QUANT_BLOCK)[: codes.numel()]
+    return (decode_signed if signed else decode_unsigned)(codes, scale)
