@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fusedoff.offload.pipeline import StreamPipeline
+from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
 from fusedoff.offload.runtime import Runtime, runtime_for
 from fusedoff.offload.placement import Budget
-from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size
+from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
 from fusedoff.offload.store import HostStateStore
-from fusedoff.offload.update import FusedUpdate, Phase, UpdateArgs
+from fusedoff.offload.update import FusedUpdate, Phase, StateSpec, UpdateArgs, state_specs
 from fusedoff.sharding import like_param, local_tensor, shard_groups
 from fusedoff.tensor_layout import flat_view
 
@@ -52,7 +52,7 @@ class StateLayout:
     """Where the states of one bucket's tensors live: resident on the device or streamed."""
 
     params: list[Tensor]
-    names: tuple[str, ...]
+    specs: dict[str, StateSpec]
     resident: list[bool]
     plan: ChunkPlan
     store: HostStateStore | None
@@ -72,21 +72,30 @@ class StateLayout:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.specs)
+
     def adopt(self, t: int, state: dict) -> None:
         """Makes `state` (the dict ``opt.state[params[t]]``) hold this layout's tensors for every
         state name, keeping the values it holds: fresh where missing, by value where replaced."""
         param = self.params[t]
         placed = self.placed
-        for name in self.names:
+        for name, spec in self.specs.items():
             value = state.get(name)
             if value is not None and value is placed[name][t]:
                 continue
+            if value is not None and spec.dtype != torch.float32 and value.dtype != spec.dtype:
+                raise ValueError(f"state {name!r} is kept as {spec.dtype}, got a {value.dtype} tensor")
             if self.resident[t]:
-                state[name] = placed[name][t] = self._resident_state(name, param, value)
+                state[name] = placed[name][t] = self._resident_state(spec, param, value)
                 continue
             local_param = local_tensor(param)
             # The state has the parameter's strides: the store holds it in the parameter's memory order.
-            shaped = self.store.view(name, t).as_strided(local_param.shape, local_param.stride())
+            # A block-wise state (one value per block of elements) is flat.
+            shaped = self.store.view(name, t)
+            if spec.block == 1:
+                shaped = shaped.as_strided(local_param.shape, local_param.stride())
             # The previous step's copies back cover whole chunks, this tensor's part included.
             self.before_host_write()
             self.runtime.host_access([shaped], write=True, what=f"{name} of tensor {t} set by the host")
@@ -96,28 +105,35 @@ class StateLayout:
             else:
                 local = local_tensor(value)
                 if local.numel() != shaped.numel():
-                    raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has "
-                                     f"{shaped.numel()}")
-                shaped.copy_(local.reshape(local_param.shape))
-            state[name] = placed[name][t] = like_param(shaped, param)
+                    raise ValueError(f"state {name!r} has {local.numel()} elements, expected {shaped.numel()}")
+                shaped.copy_(local.reshape(shaped.shape))
+            state[name] = placed[name][t] = like_param(shaped, param) if spec.block == 1 else shaped
 
-    def _resident_state(self, name: str, param: Tensor, value: Tensor | None) -> Tensor:
+    def _resident_state(self, spec: StateSpec, param: Tensor, value: Tensor | None) -> Tensor:
+        local_param = local_tensor(param)
         if value is None:
-            start = self.initial(name, param)
+            start = self.initial(spec.name, param)
             if start is None:  # the parameter's strides: states are walked in its memory order
-                return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+                if spec.block != 1:
+                    return torch.zeros(spec.numel(local_param.numel()), dtype=spec.dtype, device=param.device)
+                return torch.zeros_like(param, dtype=spec.dtype, memory_format=torch.preserve_format)
             value = start
         else:
             start = None
-        local, local_param = local_tensor(value), local_tensor(param)
-        if local.numel() != local_param.numel():
-            raise ValueError(f"state {name!r} has {local.numel()} elements but its parameter has {local_param.numel()}")
-        if (start is None and local.dtype == torch.float32 and local.device == param.device
+        local = local_tensor(value)
+        expected = spec.numel(local_param.numel())
+        if local.numel() != expected:
+            raise ValueError(f"state {spec.name!r} has {local.numel()} elements, expected {expected}")
+        if spec.block != 1:
+            if local.dtype == spec.dtype and local.device == param.device and local.dim() == 1 and local.is_contiguous():
+                return value
+            return local.to(device=param.device, dtype=spec.dtype).reshape(-1).contiguous().clone()
+        if (start is None and local.dtype == spec.dtype and local.device == param.device
                 and local.shape == local_param.shape and local.stride() == local_param.stride()):
             return value  # an assigned tensor fit to be the state is the state, as in torch
         # A starting value (which may alias the parameter) or a tensor of another dtype, device or
         # layout: a copy in place of it, with the parameter's strides.
-        copy = torch.empty_like(local_param, dtype=torch.float32)
+        copy = torch.empty_like(local_param, dtype=spec.dtype)
         copy.copy_(local.reshape(local_param.shape))
         return like_param(copy, param)
 
@@ -141,10 +157,11 @@ class StateLayout:
                 tensors=[p.tensor for p in pieces],
                 params=[_slice(self.flat_param(p.tensor), p.tensor_offset, p.length) for p in pieces],
                 grads=[_slice(grads[p.tensor], p.tensor_offset, p.length) for p in pieces],
-                states={name: [_slice(buf, p.chunk_offset, p.length) for p in pieces] for name, buf in buffers.items()},
+                states={name: [_piece(buf, self.specs[name], p) for p in pieces] for name, buf in buffers.items()},
                 steps=[steps[p.tensor] for p in pieces],
                 stats=[stats[p.tensor] for p in pieces] if stats is not None else [],
                 total_numels=[self.params[p.tensor].numel() for p in pieces],
+                offsets=[p.tensor_offset for p in pieces],
             ))
         return calls
 
@@ -163,6 +180,7 @@ class StateLayout:
             steps=[steps[tensors[i]] for i in rows],
             stats=[stats[tensors[i]] for i in rows] if stats is not None else [],
             total_numels=[self.params[tensors[i]].numel() for i in rows],
+            offsets=[0] * len(rows),
         ) for rows in by_dtype.values()]
 
 
@@ -196,31 +214,42 @@ class OffloadEngine:
     def decide(self, device: torch.device, budget: int | None) -> None:
         self.budget.set(device, budget)
 
-    def buffer_bytes_for(self, num_states: int) -> int:
-        return self.num_buffers * num_states * self.chunk_size * 4
+    def plan_chunk_size(self, specs: tuple[StateSpec, ...]) -> tuple[int, int]:
+        """The chunk size and alignment of a plan for `specs`: a block-wise state's blocks stay whole
+        in every chunk (the chunk size rounded up to a multiple of the largest block)."""
+        align = max([ALIGN_ELEMENTS, *(s.block for s in specs)])
+        return round_up(self.chunk_size, align), align
 
-    def layout(self, key: tuple, params: list[Tensor], names: tuple[str, ...], initial: Initial) -> StateLayout:
-        """The layout of bucket `key` (its members `params`, states `names`), placed on first use."""
+    def buffer_bytes_for(self, states) -> int:
+        """The streaming buffers a bucket with `states` (names or specs) needs."""
+        specs = state_specs(states)
+        return self.num_buffers * buffer_regions(specs, self.plan_chunk_size(specs)[0])[1]
+
+    def layout(self, key: tuple, params: list[Tensor], states, initial: Initial) -> StateLayout:
+        """The layout of bucket `key` (its members `params`, states `states`: names or specs),
+        placed on first use."""
         layout = self.layouts.get(key)
         if layout is not None:
             return layout
+        specs = state_specs(states)
         device = params[0].device
         if not self.budget.decided(device):
             self.budget.set(device, self._initial_budget(device))
-        sizes = [local_tensor(p).numel() * 4 * len(names) for p in params]
+        sizes = [sum(s.nbytes(local_tensor(p).numel()) for s in specs) for p in params]
         resident = self.budget.place(device, sizes)
         numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
-        plan = ChunkPlan(numels, self.chunk_size, max(self.chunk_size, DEFAULT_SEGMENT_BYTES // 4))
+        chunk_size, align = self.plan_chunk_size(specs)
+        plan = ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
         store = pipeline = None
         rt = self.runtime(device)
         if not all(resident):
             pipeline = self.pipelines.get(device)
             if pipeline is None:
                 pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
-            store = HostStateStore(plan, names, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
-        layout = StateLayout(params, names, resident, plan, store, pipeline, initial,
+            store = HostStateStore(plan, specs, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
+        layout = StateLayout(params, {s.name: s for s in specs}, resident, plan, store, pipeline, initial,
                              {id(p): i for i, p in enumerate(params)}, [bool(shard_groups(p)) for p in params],
-                             rt, self.wait_host, {name: [None] * len(params) for name in names})
+                             rt, self.wait_host, {s.name: [None] * len(params) for s in specs})
         self.layouts[key] = layout
         self._device_peak = max(self._device_peak, self.device_bytes)
         return layout
@@ -323,7 +352,8 @@ class OffloadEngine:
             for name in layout.names:
                 for t, obj in enumerate(layout.placed[name]):
                     if obj is not None and layout.resident[t]:
-                        total += local_tensor(obj).numel() * 4
+                        local = local_tensor(obj)
+                        total += local.numel() * local.element_size()
         return total
 
     def memory_stats(self) -> dict:
@@ -347,6 +377,12 @@ class OffloadEngine:
 
 def _slice(flat: Tensor, offset: int, length: int) -> Tensor:
     return flat[offset : offset + length]
+
+
+def _piece(buffer: Tensor, spec: StateSpec, piece) -> Tensor:
+    """A piece's part of a state's chunk buffer (its blocks, for a block-wise state: a piece starts
+    on a block, the plan being aligned to it)."""
+    return _slice(buffer, piece.chunk_offset // spec.block, spec.numel(piece.length))
 
 
 __all__ = ["ALIGN_ELEMENTS", "DEFAULT_CHUNK_SIZE", "OffloadEngine", "StateLayout"]

@@ -18,20 +18,38 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import Tensor
 
-from fusedoff.offload.plan import Chunk, ChunkPlan
+from fusedoff.offload.plan import Chunk, ChunkPlan, round_up
 from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.store import HostStateStore
+from fusedoff.offload.update import StateSpec
+
+REGION_ALIGN_BYTES = 64  # each state's region of a buffer set starts on a cache line
+
+
+def buffer_regions(specs: Iterable[StateSpec], chunk_size: int) -> tuple[dict[str, int], int]:
+    """Where each state's chunk of `chunk_size` elements lies in a buffer set (byte offsets), and
+    the set's size in bytes: regions one after another, so compressed states take only their bytes."""
+    offsets, used = {}, 0
+    for spec in specs:
+        offsets[spec.name] = used
+        used += round_up(spec.nbytes(chunk_size), REGION_ALIGN_BYTES)
+    return offsets, used
 
 
 class StreamPipeline:
     def __init__(self, runtime: Runtime, chunk_size: int, num_buffers: int) -> None:
         self.runtime = runtime
         self.chunk_size = chunk_size
-        # buffers[set][slot]: one fp32 chunk per state a pass moves; grown to the most states any
-        # bucket has (all buckets of a device share them: device memory is bounded by the buffers).
-        self.buffers: list[list[Tensor]] = [[] for _ in range(num_buffers)]
+        # buffers[set]: the bytes of one chunk of every state a pass moves (see buffer_regions); grown
+        # to the largest set any bucket needs (all buckets of a device share them: device memory is
+        # bounded by the buffers).
+        self.buffers: list[Tensor | None] = [None] * num_buffers
+        # Sets replaced by larger ones, held until the host has waited for every queued copy (their
+        # memory is not reused under a side stream's queued work, whatever the runtime).
+        self._retired: list[Tensor] = []
         self._free: list[object | None] = [None] * num_buffers  # copy-out done with each buffer set
         # The last copy back into each store (by id): a pass waits for its own store's writes only,
         # so buckets sharing this pipeline overlap one another.
@@ -54,12 +72,13 @@ class StreamPipeline:
         touches = list(touches)
         main = rt.current_stream()
         rt.wait_stream(self.compute, main)  # grads, params, steps and stats are produced on main
-        if self._ensure_slots(len(read)):  # new buffers come from main's pool: blocks main may still use
+        regions, set_bytes = buffer_regions([store.specs[name] for name in read], plan.chunk_size)
+        if self._ensure_bytes(set_bytes):  # new buffers come from main's pool: blocks main may still use
             rt.wait_stream(self.copy_in, main)
         rt.wait_event(self.copy_in, self._last_copy_out.get(id(store)))  # this store's previous pass
         for k, chunk in enumerate(chunks):
             slot = k % len(self.buffers)
-            buffers = self._views(slot, chunk, read)
+            buffers = self._views(slot, chunk, store, regions)
             rt.wait_event(self.copy_in, self._free[slot])
             for name in read:
                 rt.copy(self.copy_in, buffers[name], store.chunk(name, chunk))
@@ -83,23 +102,30 @@ class StreamPipeline:
         """Blocks until every copy back to host memory has finished (before reading host state)."""
         for event in self._last_copy_out.values():
             self.runtime.synchronize(event)
+        self._retired.clear()
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for buffers in self.buffers for b in buffers)
+        return sum(b.numel() for b in self.buffers if b is not None)
 
-    def _ensure_slots(self, count: int) -> bool:
-        """Grows every buffer set to `count` state buffers; True if anything was allocated."""
+    def _ensure_bytes(self, set_bytes: int) -> bool:
+        """Grows every buffer set to `set_bytes`; True if anything was allocated."""
         grown = False
-        for buffers in self.buffers:
-            while len(buffers) < count:
-                buffer = self.runtime.empty(self.chunk_size)
+        for k, buffer in enumerate(self.buffers):
+            if buffer is None or buffer.numel() < set_bytes:
+                if buffer is not None:
+                    self._retired.append(buffer)
+                buffer = self.runtime.empty(-(-set_bytes // 4)).view(torch.uint8)
                 for stream in (self.copy_in, self.compute, self.copy_out):  # used on the side streams
                     self.runtime.keep_alive(buffer, stream)
-                buffers.append(buffer)
+                self.buffers[k] = buffer
                 grown = True
         return grown
 
-    def _views(self, slot: int, chunk: Chunk, names: tuple[str, ...]) -> dict[str, Tensor]:
-        buffers = self.buffers[slot]
-        return {name: buffers[i][: chunk.numel] for i, name in enumerate(names)}
+    def _views(self, slot: int, chunk: Chunk, store: HostStateStore, regions: dict[str, int]) -> dict[str, Tensor]:
+        buffer = self.buffers[slot]
+        views = {}
+        for name, offset in regions.items():
+            spec = store.specs[name]
+            views[name] = buffer[offset : offset + spec.nbytes(chunk.numel)].view(spec.dtype)
+        return views

@@ -1,11 +1,12 @@
 """ChunkPlan: how the streamed tensors of one bucket are laid out in host memory and cut into chunks.
 
-Tensors are placed one after another, each starting on a multiple of `ALIGN_ELEMENTS` (so every
-view the kernels get is 64-byte aligned and their vector paths apply). The placed tensors are
+Tensors are placed one after another, each starting on a multiple of `align` elements (at least
+`ALIGN_ELEMENTS`, so every view the kernels get is 64-byte aligned and their vector paths apply;
+a multiple of a state's block, so that blocks of block-wise states never straddle two chunks). The placed tensors are
 grouped into segments of at most `segment_elements` (a tensor larger than that has a segment of its
 own): a segment becomes one host allocation (a slab) per state, so no tensor spans two slabs and
 every tensor's state is a view of one slab. Each segment is cut into chunks of `chunk_size`
-elements (a multiple of `ALIGN_ELEMENTS`); a chunk holds pieces of one or more tensors of its
+elements (a multiple of `align`); a chunk holds pieces of one or more tensors of its
 segment, a tensor may span several chunks, and no chunk spans two segments, so one chunk of one
 state is one contiguous copy.
 
@@ -52,11 +53,15 @@ def aligned_chunk_size(chunk_size: int) -> int:
 
 
 class ChunkPlan:
-    def __init__(self, numels: list[int], chunk_size: int, segment_elements: int | None = None) -> None:
-        if chunk_size <= 0 or chunk_size % ALIGN_ELEMENTS:
-            raise ValueError(f"chunk_size must be a positive multiple of {ALIGN_ELEMENTS}, got {chunk_size}")
+    def __init__(self, numels: list[int], chunk_size: int, segment_elements: int | None = None,
+                 align: int = ALIGN_ELEMENTS) -> None:
+        if align <= 0 or align % ALIGN_ELEMENTS:
+            raise ValueError(f"align must be a positive multiple of {ALIGN_ELEMENTS}, got {align}")
+        if chunk_size <= 0 or chunk_size % align:
+            raise ValueError(f"chunk_size must be a positive multiple of {align}, got {chunk_size}")
         self.numels = [int(n) for n in numels]
         self.chunk_size = chunk_size
+        self.align = align
         limit = segment_elements if segment_elements is not None else float("inf")
         self.segment_of: list[int] = []  # per tensor: its segment
         self.offsets: list[int] = []  # per tensor: its offset in its segment
@@ -68,7 +73,7 @@ class ChunkPlan:
                 used = 0
             self.segment_of.append(len(self.segment_sizes))
             self.offsets.append(used)
-            used = round_up(used + n, ALIGN_ELEMENTS)
+            used = round_up(used + n, align)
         if used or not self.segment_sizes:
             self.segment_sizes.append(used)
         self.total = sum(self.segment_sizes)

@@ -1,4 +1,4 @@
-"""HostStateStore: one bucket's fp32 states (and master weights) in host memory, chunk-contiguous.
+"""HostStateStore: one bucket's states (and master weights) in host memory, chunk-contiguous.
 
 Each state is a sequence of slabs, one per segment of the ChunkPlan: a slab holds whole tensors
 and whole chunks, so every tensor's state is a view of one slab and one chunk of one state moves
@@ -18,29 +18,38 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.plan import Chunk, ChunkPlan
+from fusedoff.offload.update import StateSpec, state_specs
 
 
 class HostStateStore:
-    """The fp32 states of one bucket's streamed tensors: one slab per state and plan segment.
+    """The states of one bucket's streamed tensors: one slab per state and plan segment, in the
+    state's dtype, one value per element or per block of elements (`StateSpec`).
 
     `view(name, t)` is tensor `t`'s state `name`: a flat view of its slab (never a copy), which the
     optimizer hands out as ``opt.state[p][name]``; `chunk(name, chunk)` the contiguous region one
     copy moves.
     """
 
-    def __init__(self, plan: ChunkPlan, names: tuple[str, ...], *, pin: Callable[[Tensor], bool] | None = None,
+    def __init__(self, plan: ChunkPlan, states: tuple[str | StateSpec, ...], *,
+                 pin: Callable[[Tensor], bool] | None = None,
                  unpin: Callable[[list[Tensor]], None] | None = None) -> None:
-        """`pin(slab)` page-locks a slab for the device's copies (None: nothing to pin for);
-        `unpin(slabs)` unlocks them when the store is freed (it holds them until then)."""
+        """`states`: names (fp32, one value per element) or specs, whose blocks divide the plan's
+        alignment. `pin(slab)` page-locks a slab for the device's copies (None: nothing to pin
+        for); `unpin(slabs)` unlocks them when the store is freed (it holds them until then)."""
         self.plan = plan
-        self.names = names
+        self.specs = {spec.name: spec for spec in state_specs(states)}
+        self.names = tuple(self.specs)
+        for spec in self.specs.values():
+            if plan.align % spec.block:
+                raise ValueError(f"state {spec.name!r} has blocks of {spec.block} elements, which the plan's "
+                                 f"alignment of {plan.align} does not keep whole")
         self.pinned = pin is not None
         self.slabs: dict[str, list[Tensor]] = {}
         pinned = []
-        for name in names:
+        for name, spec in self.specs.items():
             slabs = []
             for size in plan.segment_sizes:
-                slab = torch.zeros(size, dtype=torch.float32)
+                slab = torch.zeros(size // spec.block, dtype=spec.dtype)
                 if self.pinned and size:
                     if pin(slab):
                         pinned.append(slab)
@@ -56,13 +65,15 @@ class HostStateStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.numel() * 4 for slabs in self.slabs.values() for s in slabs)
+        return sum(s.numel() * s.element_size() for slabs in self.slabs.values() for s in slabs)
 
     def chunk(self, name: str, chunk: Chunk) -> Tensor:
         """The host storage of `chunk` for state `name` (a contiguous 1-D view)."""
-        return self.slabs[name][chunk.segment][chunk.begin : chunk.begin + chunk.numel]
+        block = self.specs[name].block
+        return self.slabs[name][chunk.segment][chunk.begin // block : (chunk.begin + chunk.numel) // block]
 
     def view(self, name: str, tensor: int) -> Tensor:
         """Tensor `tensor` of state `name`, flat: a view of its slab."""
-        begin = self.plan.offsets[tensor]
-        return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + self.plan.numels[tensor]]
+        spec = self.specs[name]
+        begin = self.plan.offsets[tensor] // spec.block
+        return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + spec.numel(self.plan.numels[tensor])]

@@ -14,10 +14,33 @@ one; `after_phase(phase, stats, params)` runs then, with the bucket's parameters
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state tensor of a parameter: its name, storage dtype, and how many of the parameter's
+    elements share one stored value (1: one per element, in the parameter's shape and memory
+    order; more: one per block of that many consecutive elements, counted from the first, flat)."""
+
+    name: str
+    dtype: torch.dtype = torch.float32
+    block: int = 1
+
+    def numel(self, param_numel: int) -> int:
+        return -(-int(param_numel) // self.block)
+
+    def nbytes(self, param_numel: int) -> int:
+        return self.numel(param_numel) * self.dtype.itemsize
+
+
+def state_specs(states: Iterable[str | StateSpec]) -> tuple[StateSpec, ...]:
+    """Names (fp32, one value per element) or specs, as specs."""
+    return tuple(s if isinstance(s, StateSpec) else StateSpec(s) for s in states)
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,7 @@ class UpdateArgs:
     steps: list[Tensor]
     stats: list[Tensor]
     total_numels: list[int]
+    offsets: list[int]  # each piece's first element in its tensor (0 for whole tensors)
 
 
 @dataclass

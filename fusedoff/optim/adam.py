@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 from fusedoff import ops
-from fusedoff.offload.update import FusedUpdate, Phase, UpdateArgs
+from fusedoff.kernels import codec
+from fusedoff.offload.update import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
+from fusedoff.sharding import local_tensor
+from fusedoff.tensor_layout import flat_view, in_layout_of
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
 
 
 class Adam(FusedOptimizer):
@@ -41,31 +47,109 @@ class Adam(FusedOptimizer):
         chunk_size: int | None = None,
         num_buffers: int = 2,
         device_budget: int | None = None,
+        state_precision: str = "fp32",
+        seed: int = 0,
     ) -> None:
         # torch's refusals first, in its order; then what fusedoff cannot do (capturable, differentiable).
         betas = _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
         check_torch_flags(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
+        _check_precision(state_precision, seed, amsgrad)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        decoupled_weight_decay=decoupled_weight_decay)
+                        decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
 
-    def _state_names(self, group: dict) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+    def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
+            merged = {**self.defaults, **param_group}
+            _check_precision(merged["state_precision"], merged["seed"], merged["amsgrad"])
+        super().add_param_group(param_group)
 
-    def _fused_update(self, group, backend, grad_scale, found_inf, names) -> FusedUpdate:
+    def _state_names(self, group: dict) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self._state_specs(group))
+
+    def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
+        precision = group["state_precision"]
+        if precision == "fp32":
+            return tuple(StateSpec(n) for n in MOMENTS + (("max_exp_avg_sq",) if group["amsgrad"] else ()))
+        dtype = codec.state_dtype(precision)
+        specs = tuple(StateSpec(name, dtype) for name in MOMENTS)
+        if precision == "8bit":
+            specs += tuple(StateSpec(f"{name}_absmax", torch.float32, codec.QUANT_BLOCK) for name in MOMENTS)
+        return specs
+
+    def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         beta1, beta2 = group["betas"]
         hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
                      weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"],
-                     amsgrad=group["amsgrad"], maximize=group["maximize"], grad_scale=grad_scale,
-                     found_inf=found_inf, backend=backend)
+                     maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, backend=backend)
 
-        def call(phase: Phase, args: UpdateArgs) -> None:
-            states = args.states
-            ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
-                           states.get("max_exp_avg_sq", []), states.get("master_param", []), args.steps, **hyper)
+        if group["state_precision"] == "fp32":
+            def call(phase: Phase, args: UpdateArgs) -> None:
+                states = args.states
+                ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
+                               states.get("max_exp_avg_sq", []), states.get("master_param", []), args.steps,
+                               amsgrad=group["amsgrad"], **hyper)
+        else:
+            # The random stream's key of each tensor: the optimizer's seed and the parameter's index
+            # in the state dict, so it is the same however the tensor is placed or cut into chunks.
+            positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
+
+            def call(phase: Phase, args: UpdateArgs) -> None:
+                states = args.states
+                ops.adam_compressed_step_(
+                    args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
+                    states.get("exp_avg_sq_absmax", []), states.get("master_param", []), args.steps, args.offsets,
+                    [keys[t] for t in args.tensors], **hyper)
 
         return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
+
+    # ---- compressed states in checkpoints ------------------------------------------------------------
+    def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
+        """A loaded state in `group`'s precision: fp32 moments (a torch.optim checkpoint) are
+        compressed (bf16 rounded to nearest; 8-bit quantized), compressed ones are kept, or decoded
+        for an fp32 group."""
+        precision = group["state_precision"]
+        out = {k: v for k, v in state.items() if not k.endswith("_absmax")}
+        for name in MOMENTS:
+            value = state.get(name)
+            if not isinstance(value, Tensor):
+                continue
+            target = codec.state_dtype(precision)
+            if value.dtype == target and precision != "8bit":
+                continue
+            if value.dtype == target:  # 8-bit codes: with their scales
+                absmax = state.get(f"{name}_absmax")
+                if not isinstance(absmax, Tensor) or absmax.numel() != codec.num_blocks(value.numel()):
+                    raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {codec.num_blocks(value.numel())} "
+                                     "block scales")
+                out[name], out[f"{name}_absmax"] = value, absmax
+                continue
+            fp32 = _moment_fp32(state, name, param)
+            if precision == "8bit":
+                codes, out[f"{name}_absmax"] = codec.quantize(flat_view(fp32), signed=name == "exp_avg")
+                out[name] = torch.empty_like(fp32, dtype=torch.uint8)
+                flat_view(out[name]).copy_(codes)
+            else:
+                out[name] = fp32.to(target)
+        return out
+
+    def fp32_state_dict(self) -> dict:
+        """``state_dict()`` with every moment as fp32 (compressed ones decoded, their block scales
+        left out): what ``torch.optim.Adam``/``AdamW.load_state_dict`` takes. The groups keep
+        fusedoff's options, which torch ignores."""
+        state_dict = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, state in state_dict["state"].items():
+            param = params[pid]
+            state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
+            for name in MOMENTS:
+                if isinstance(state.get(name), Tensor) and state[name].dtype != torch.float32:
+                    state[name] = _moment_fp32(state, name, param)
+            for name in MOMENTS:
+                state.pop(f"{name}_absmax", None)
+        return state_dict
 
 
 class AdamW(Adam):
@@ -136,16 +220,43 @@ class AdamW(Adam):
         chunk_size: int | None = None,
         num_buffers: int = 2,
         device_budget: int | None = None,
+        state_precision: str = "fp32",
+        seed: int = 0,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, backend=backend, master_weights=master_weights,
-                         offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+                         offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
+                         state_precision=state_precision, seed=seed)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # as torch's AdamW: whatever a loaded group said
             group["decoupled_weight_decay"] = True
+
+
+def _check_precision(state_precision, seed, amsgrad) -> None:
+    if state_precision not in codec.PRECISIONS:
+        raise ValueError(f"state_precision must be one of {codec.PRECISIONS}, got {state_precision!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    if amsgrad and state_precision != "fp32":
+        raise ValueError(f"amsgrad keeps fp32 states only: state_precision={state_precision!r} compresses exp_avg and "
+                         "exp_avg_sq, and a compressed running maximum is not implemented")
+
+
+def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
+    """State `name` of `state` (fp32, bf16 or 8-bit codes with their scales) as fp32, shaped and
+    laid out like the parameter's local tensor."""
+    value = state[name]
+    local = local_tensor(param)
+    if value.dtype != torch.uint8:
+        return in_layout_of(local_tensor(value).to(torch.float32).reshape(local.shape), local)
+    codes = flat_view(in_layout_of(local_tensor(value).reshape(local.shape), local))
+    values = codec.dequantize(codes, state[f"{name}_absmax"], signed=name == "exp_avg")
+    out = torch.empty_like(local, dtype=torch.float32, device=values.device)
+    flat_view(out).copy_(values)
+    return out
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable) -> tuple:

@@ -42,6 +42,7 @@ class Apollo(FusedOptimizer):
         weight_decay_type: ``'L2'`` (added to the gradient), ``'decoupled'`` (added to the update) or
             ``'stable'`` (added to the update, divided by the mean curvature); defaults to 'L2' for
             constant rebound and 'decoupled' for belief.
+        state_precision: "fp32" only (see the README's "Compressed optimizer states").
         backend, master_weights, offload, chunk_size, num_buffers, device_budget: as for
             :class:`fusedoff.AdamW`. Streamed chunks holding only whole tensors run every phase in
             one visit; the chunks of tensors spanning chunks are streamed once per phase (reduce,
@@ -57,7 +58,12 @@ class Apollo(FusedOptimizer):
                  warmup: int = 500, init_lr: float | None = None, weight_decay: float = 0,
                  weight_decay_type: str | None = None, *, backend: str = "auto",
                  master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
-                 num_buffers: int = 2, device_budget: int | None = None) -> None:
+                 num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32") -> None:
+        if state_precision != "fp32":
+            raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}: "
+                             "compressed Apollo states are not implemented (its curvature B and update d feed "
+                             "whole-tensor sums every step, and no quality check has been run for them compressed); "
+                             "fusedoff.AdamW and fusedoff.Adam take 'bf16' and '8bit'")
         if not 0.0 < lr:
             raise ValueError(f"Invalid learning rate value: {lr}")
         if not 0.0 <= eps:
@@ -87,7 +93,7 @@ class Apollo(FusedOptimizer):
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg_grad", "approx_hessian", "update")
 
-    def _fused_update(self, group, backend, grad_scale, found_inf, names) -> FusedUpdate:
+    def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         hyper = dict(lr=float(group["lr"]), base_lr=float(group["base_lr"]), init_lr=float(group["init_lr"]),
                      warmup=float(group["warmup"]), beta=group["beta"], eps=group["eps"],
                      weight_decay=group["weight_decay"], rebound=group["rebound"],

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
 from fusedoff.offload import OffloadEngine, placement
-from fusedoff.offload.update import FusedUpdate
+from fusedoff.offload.update import FusedUpdate, StateSpec
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.state import OptimizerState, param_state
 from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_param, check_torch_flags
@@ -85,13 +85,22 @@ class FusedOptimizer(Optimizer):
 
     # ---- subclass interface ----------------------------------------------------------------
     def _state_names(self, group: dict) -> tuple[str, ...]:
-        """The fp32 state tensors of one parameter, besides `step` and `master_param`."""
+        """The state tensors of one parameter, besides `step` and `master_param`."""
         raise NotImplementedError
 
+    def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
+        """How those states are stored (default: fp32, one value per element)."""
+        return tuple(StateSpec(name) for name in self._state_names(group))
+
+    def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
+        """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps
+        (default: as it is). Raises before anything changes if it cannot be."""
+        return state
+
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
-                      found_inf: Tensor | None, names: tuple[str, ...]) -> FusedUpdate:
+                      found_inf: Tensor | None, names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:
         """The fused update of one bucket of `group` whose states are `names` (master_param included
-        when kept), for this step."""
+        when kept) and whose parameters are `params` (``UpdateArgs.tensors`` index them), for this step."""
         raise NotImplementedError
 
     # ---- gradient clipping -------------------------------------------------------------------
@@ -182,8 +191,8 @@ class FusedOptimizer(Optimizer):
         wanted = group["master_weights"]
         return param.dtype in LOW_PRECISION and (wanted is None or wanted)
 
-    def _bucket_names(self, group: dict, master: bool) -> tuple[str, ...]:
-        return self._state_names(group) + (("master_param",) if master else ())
+    def _bucket_specs(self, group: dict, master: bool) -> tuple[StateSpec, ...]:
+        return self._state_specs(group) + ((StateSpec("master_param"),) if master else ())
 
     def _layout(self, group_index: int, param: Tensor):
         """The engine layout of `param`'s bucket: the parameters of its group sharing its device,
@@ -196,23 +205,22 @@ class FusedOptimizer(Optimizer):
             return layout
         members = [p for p in group["params"]
                    if p.device == param.device and p.dtype == param.dtype and self._uses_master(group, p) == master]
-        return self._engine.layout(key, members, self._bucket_names(group, master), _initial_state)
+        return self._engine.layout(key, members, self._bucket_specs(group, master), _initial_state)
 
     def _decide_budgets(self, devices) -> None:
         """The automatic budget of each device that has none yet (see fusedoff/offload/placement.py)."""
         for device in devices:
             if not self._engine.needs_decision(device):
                 continue
-            needed, most_states = 0, 0
+            needed, buffers = 0, 0
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.device == device:
-                        count = len(self._bucket_names(group, self._uses_master(group, p)))
-                        needed += local_tensor(p).numel() * 4 * count
-                        most_states = max(most_states, count)
+                        specs = self._bucket_specs(group, self._uses_master(group, p))
+                        needed += sum(s.nbytes(local_tensor(p).numel()) for s in specs)
+                        buffers = max(buffers, self._engine.buffer_bytes_for(specs))
             total, peak = self._engine.runtime(device).memory_info()
-            self._engine.decide(device, placement.auto_budget(total, peak, needed,
-                                                              self._engine.buffer_bytes_for(most_states)))
+            self._engine.decide(device, placement.auto_budget(total, peak, needed, buffers))
 
     def _place_loaded_states(self) -> None:
         """After load_state_dict: every state placed afresh (budgets of 'auto' decided again at the
@@ -220,14 +228,23 @@ class FusedOptimizer(Optimizer):
         stay where they are, in fp32."""
         self._engine.wait_host()
         self._start_engine({**self._config, "decided": {}})
+        converted = {}
+        for group in self.param_groups:  # everything converted before anything changes
+            for p in group["params"]:
+                state = dict.get(self.state, p)
+                if state:
+                    converted[p] = dict(self._loaded_states(group, p, state))
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 state = dict.get(self.state, p)
                 if not state:
                     continue
+                state.clear()
+                state.update(converted[p])
                 if self._engine.needs_decision(p.device):
+                    fp32 = {s.name for s in self._bucket_specs(group, True) if s.dtype == torch.float32}
                     for key, value in state.items():
-                        if key != "step" and isinstance(value, Tensor) and value.dtype != torch.float32:
+                        if key in fp32 and isinstance(value, Tensor) and value.dtype != torch.float32:
                             state[key] = value.to(torch.float32)
                     continue
                 layout = self._layout(index, p)
@@ -281,7 +298,7 @@ class FusedOptimizer(Optimizer):
             divisor = clipping.grad_divisor(grad_scale, clip, device)
             inf = found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None
             ops.increment_steps_(list(steps.values()), inf)
-            update = self._fused_update(group, backend, divisor, inf, layout.names)
+            update = self._fused_update(group, backend, divisor, inf, layout.names, layout.params)
             self._engine.step(layout, update, states, grads, steps)
         self._clip_coef = None  # a clip factor applies to the one step after clip_grad_norm_
         return loss
