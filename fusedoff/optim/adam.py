@@ -69,14 +69,7 @@ class Adam(FusedOptimizer):
         return tuple(spec.name for spec in self._state_specs(group))
 
     def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
-        precision = group["state_precision"]
-        if precision == "fp32":
-            return tuple(StateSpec(n) for n in MOMENTS + (("max_exp_avg_sq",) if group["amsgrad"] else ()))
-        dtype = codec.state_dtype(precision)
-        specs = tuple(StateSpec(name, dtype) for name in MOMENTS)
-        if precision == "8bit":
-            specs += tuple(StateSpec(f"{name}_absmax", torch.float32, codec.QUANT_BLOCK) for name in MOMENTS)
-        return specs
+        return adam_state_specs(group["state_precision"], group["amsgrad"])
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         beta1, beta2 = group["betas"]
@@ -233,6 +226,18 @@ class AdamW(Adam):
         super().__setstate__(state)
         for group in self.param_groups:  # as torch's AdamW: whatever a loaded group said
             group["decoupled_weight_decay"] = True
+
+
+def adam_state_specs(state_precision: str = "fp32", amsgrad: bool = False) -> tuple[StateSpec, ...]:
+    """How Adam's states are stored per parameter (besides ``step`` and ``master_param``): fp32
+    moments; bf16 ones; or 8-bit codes with one fp32 absmax per block of ``codec.QUANT_BLOCK``."""
+    if state_precision == "fp32":
+        return tuple(StateSpec(n) for n in MOMENTS + (("max_exp_avg_sq",) if amsgrad else ()))
+    dtype = codec.state_dtype(state_precision)
+    specs = tuple(StateSpec(name, dtype) for name in MOMENTS)
+    if state_precision == "8bit":
+        specs += tuple(StateSpec(f"{name}_absmax", torch.float32, codec.QUANT_BLOCK) for name in MOMENTS)
+    return specs
 
 
 def _check_precision(state_precision, seed, amsgrad) -> None:
