@@ -131,6 +131,10 @@ CASES = {
     "AdamW-fp32": (fusedoff.AdamW, dict(ADAM, amsgrad=True), torch.float32),
     "AdamW-bf16-master": (fusedoff.AdamW, ADAM, torch.bfloat16),
     "Adam-fp32": (fusedoff.Adam, ADAM, torch.float32),
+    # Compressed states: 8-bit blocks of 256 (the plan's chunks rounded up to whole blocks) and
+    # bf16 with stochastic rounding, whose random indices must follow a tensor across chunks.
+    "AdamW-8bit-states-bf16-master": (fusedoff.AdamW, dict(ADAM, state_precision="8bit"), torch.bfloat16),
+    "Adam-bf16-states": (fusedoff.Adam, dict(ADAM, state_precision="bf16", seed=7), torch.float32),
     "Apollo-constant-L2": (fusedoff.Apollo, dict(APOLLO, rebound="constant", weight_decay_type="L2"), torch.float32),
     "Apollo-belief-stable-bf16": (fusedoff.Apollo, dict(APOLLO, rebound="belief", weight_decay_type="stable"),
                                   torch.bfloat16),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fusedoff.kernels import codec
 from fusedoff.sharding import state_for_param
 
 
@@ -22,17 +23,25 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
     saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, param in zip(saved_ids, params):  # check everything before changing anything
-        for key, value in tensors.get(pid, {}).items():
+        saved = tensors.get(pid, {})
+        for key, value in saved.items():
             if key == "step":
                 continue
             value = torch.as_tensor(value)
-            if value.numel() != param.numel():
+            # Compressed states (see [note: compressed states] in csrc/include/fusedoff/state_codec.h):
+            # block scales have one value per block, 8-bit codes come with their scales.
+            scales = key.endswith("_absmax")
+            expected = codec.num_blocks(param.numel()) if scales else param.numel()
+            if value.numel() != expected:
                 raise ValueError(f"state {key!r} of parameter {pid} has {value.numel()} elements "
-                                 f"but the parameter has {param.numel()}")
-            if not value.is_floating_point():
-                raise ValueError(f"state {key!r} of parameter {pid} is a {value.dtype} tensor; "
-                                 "fusedoff keeps floating-point states")
-            state_for_param(value, param, key)  # raises if sharded unlike the parameter
+                                 f"but the parameter has {param.numel()}" + (" (one scale per block of "
+                                 f"{codec.QUANT_BLOCK})" if scales else ""))
+            codes = value.dtype == torch.uint8 and isinstance(saved.get(f"{key}_absmax"), Tensor)
+            if not value.is_floating_point() and not codes:
+                raise ValueError(f"state {key!r} of parameter {pid} is a {value.dtype} tensor; fusedoff keeps "
+                                 "floating-point states, or uint8 codes with their block scales")
+            if not scales:
+                state_for_param(value, param, key)  # raises if sharded unlike the parameter
     optimizer._states_set_aside = (saved_ids, tensors)
     others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
     return {**state_dict, "state": others}
