@@ -17,7 +17,10 @@ Two halves that meet in one table:
 :func:`format_report` prints them side by side; what a phase measured beyond the predicted
 components present in it is the activations (and temporaries) of that phase.
 
-Step counters (one 4-byte scalar per tensor) are left out of every prediction.
+Step counters (one 4-byte scalar per tensor) are left out of every prediction. fusedoff's state
+bytes come from the classes' own storage specs (``adam_state_specs``: fp32, bf16 or 8-bit moments)
+and the offload engine's own rules (host alignment, buffer sets), so the prediction is the bytes
+``memory_stats()`` reports.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE
-from fusedoff.offload.plan import ALIGN_ELEMENTS, aligned_chunk_size, round_up
+from fusedoff.offload.engine import OffloadEngine
+from fusedoff.offload.plan import round_up
+from fusedoff.offload.update import StateSpec, state_specs
+from fusedoff.optim.adam import _check_precision, adam_state_specs
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -58,6 +63,8 @@ PRESENT = {
 
 SETUPS = ("fusedoff", "plain", "upcast")
 OPTIMIZERS = ("adamw", "adam", "apollo")
+APOLLO_STATES = ("exp_avg_grad", "approx_hessian", "update")  # fp32, one value per element
+MASTER = StateSpec("master_param")
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 MIB = 2**20
 
@@ -70,6 +77,7 @@ class MemoryPrediction:
     device_type: str
     device: dict[str, int]
     host: dict[str, int]
+    state_precision: str | None = None  # how fusedoff stores the moments (None: another setup)
 
     @property
     def device_total(self) -> int:
@@ -104,7 +112,7 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
             amsgrad: bool = False, grad_dtype: torch.dtype | None = None, master_weights: bool | None = None,
             offload: str = "auto", chunk_size: int | None = None, num_buffers: int = 2,
             device_budget: int | None = None, device: torch.device | str | None = None,
-            label: str | None = None) -> MemoryPrediction:
+            state_precision: str = "fp32", label: str | None = None) -> MemoryPrediction:
     """Predicted bytes by component for training `params` with `optimizer` in `setup`.
 
     setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
@@ -114,6 +122,9 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         optimizer decided, ``opt.memory_stats()["device_budget"]``, for its split), ``"plain"`` (torch's optimizer or the eager reference on the parameters as they
         are: states on the device in the parameters' dtype) or ``"upcast"`` (fp32 master copies,
         fp32 gradient copies and fp32 states, all on the device).
+    state_precision: fusedoff's storage of the moments, as passed to fusedoff.AdamW/Adam (``"fp32"``,
+        ``"bf16"``, ``"8bit"``: one byte each and an fp32 scale per block of 256); fusedoff only
+        (the other setups keep theirs as said above), and Apollo keeps fp32 states only.
     grad_dtype: the gradients' dtype; None means each parameter's own.
     device: where the parameters train (default: where they are), so that meta tensors can stand
         for them.
@@ -126,6 +137,7 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         raise ValueError("amsgrad is an Adam option")
     if offload not in ("auto", "none", "stream"):
         raise ValueError(f"offload must be 'auto', 'none' or 'stream', got {offload!r}")
+    specs = _state_specs(setup, optimizer, state_precision, amsgrad)
     params = _unique_params(params)
     if device is not None:
         device_type = torch.device(device).type
@@ -134,7 +146,7 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         if len(device_types) > 1:
             raise ValueError(f"parameters on several device types: {sorted(device_types)}")
         device_type = device_types.pop() if device_types else "cpu"
-    num_states = 3 if optimizer == "apollo" else 2 + int(amsgrad)
+    num_states = len(specs)
     fp32 = torch.float32
     on_device = dict.fromkeys(DEVICE_COMPONENTS, 0)
     host = dict.fromkeys(HOST_COMPONENTS, 0)
@@ -149,19 +161,38 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         on_device[MASTERS] = _bytes(params, fp32)
         on_device[FP32_GRADS] = _bytes(params, fp32)
     else:
-        streams = _predict_fusedoff(params, on_device, host, num_states, master_weights, offload, device_type,
+        streams = _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type,
                                     chunk_size, num_buffers, device_budget)
     if label is None:
         label = {"fusedoff": "fusedoff " + ("stream" if streams else "none"), "plain": "plain",
                  "upcast": "fp32 upcast"}[setup]
-    return MemoryPrediction(label, device_type, on_device, host)
+        if state_precision != "fp32":
+            label += f" {state_precision}"
+    return MemoryPrediction(label, device_type, on_device, host, state_precision if setup == "fusedoff" else None)
 
 
-def _predict_fusedoff(params, on_device, host, num_states, master_weights, offload, device_type, chunk_size,
+def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool) -> tuple[StateSpec, ...]:
+    """The states one parameter keeps besides its master weights, as the optimizer class stores them
+    (refusing what the class refuses)."""
+    if setup != "fusedoff" and state_precision != "fp32":
+        kept = "in the parameters' dtype" if setup == "plain" else "in fp32"
+        raise ValueError(f"state_precision={state_precision!r} is a fusedoff option: setup={setup!r} keeps its "
+                         f"states {kept} (state_precision='fp32')")
+    if optimizer == "apollo":
+        if state_precision != "fp32":
+            raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}")
+        return state_specs(APOLLO_STATES)
+    _check_precision(state_precision, 0, amsgrad)
+    return adam_state_specs(state_precision, amsgrad)
+
+
+def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type, chunk_size,
                       num_buffers, device_budget) -> bool:
     """Fills `on_device` and `host` as fusedoff places states (fusedoff/offload/placement.py):
     buckets of one dtype and master setting in the order they first appear, each tensor's states
     and master resident while they fit in the budget. True if anything streams."""
+    # The engine's own rules for a bucket's plan and buffers (constructing one allocates nothing).
+    engine = OffloadEngine(offload, chunk_size, num_buffers, device_budget)
     budget = None  # no limit
     if offload == "stream" or (offload == "auto" and device_type == "cuda" and device_budget is not None):
         budget = device_budget or 0
@@ -169,25 +200,28 @@ def _predict_fusedoff(params, on_device, host, num_states, master_weights, offlo
     for p in params:
         master = p.dtype in LOW_PRECISION and master_weights in (None, True)
         buckets.setdefault((p.dtype, master), []).append(p)
-    slots = 0
+    buffers = 0
     for (_, master), members in buckets.items():
-        count = num_states + int(master)
+        masters = (MASTER,) if master else ()
+        _, align = engine.plan_chunk_size(specs + masters)
+        streamed = False
         for p in members:
-            size = p.numel() * 4 * count
+            n = p.numel()
+            size = sum(s.nbytes(n) for s in specs + masters)
             if budget is None or size <= budget:
                 budget = None if budget is None else budget - size
-                on_device[STATES] += num_states * p.numel() * 4
-                on_device[MASTERS] += int(master) * p.numel() * 4
-            elif p.numel():
-                # The host store lays each tensor out from a multiple of ALIGN_ELEMENTS (ChunkPlan).
-                padded = round_up(p.numel(), ALIGN_ELEMENTS) * 4
-                host[HOST_STATES] += num_states * padded
-                host[HOST_MASTERS] += int(master) * padded
-                slots = max(slots, count)
-    if slots:  # one fp32 chunk per moved state in each buffer set
-        chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else aligned_chunk_size(chunk_size)
-        on_device[BUFFERS] = num_buffers * slots * chunk * 4
-    return bool(slots)
+                on_device[STATES] += sum(s.nbytes(n) for s in specs)
+                on_device[MASTERS] += sum(s.nbytes(n) for s in masters)
+            elif n:
+                # The host store lays each tensor out from a multiple of the plan's alignment (ChunkPlan).
+                padded = round_up(n, align)
+                host[HOST_STATES] += sum(s.nbytes(padded) for s in specs)
+                host[HOST_MASTERS] += sum(s.nbytes(padded) for s in masters)
+                streamed = True
+        if streamed:  # the device's buffer sets are shared, grown to the largest bucket's
+            buffers = max(buffers, engine.buffer_bytes_for(specs + masters))
+    on_device[BUFFERS] = buffers
+    return bool(buffers)
 
 
 def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
@@ -357,6 +391,9 @@ def format_report(predictions: Sequence[MemoryPrediction], runs: Sequence[Measur
     def row(name: str, values: Iterable[int]) -> str:
         return f"  {name.ljust(width)}" + "".join("  " + _mib(v).rjust(c) for v, c in zip(values, columns))
 
+    if any(p.state_precision not in (None, "fp32") for p in predictions):  # compressed states: say which
+        lines.append(f"  {'fusedoff state precision'.ljust(width)}"
+                     + "".join("  " + (p.state_precision or "-").rjust(c) for p, c in zip(predictions, columns)))
     for name in DEVICE_COMPONENTS:
         lines.append(row(name, (p.device[name] for p in predictions)))
     lines.append(row("device total at the step", (p.device_total for p in predictions)))

@@ -11,8 +11,12 @@ from fusedoff import memory
 from fusedoff.demo import UpcastMixedPrecision
 from fusedoff.kernels.reference import ApolloReference
 
-# Odd sizes: a 0-d tensor and lengths that are not multiples of the host store's 16-element alignment.
+# Odd sizes: a 0-d tensor and lengths that are not multiples of the host store's 16-element alignment
+# (nor of the 256 elements of an 8-bit scale block).
 SHAPES = ((), (1,), (7,), (4097,), (33, 5))
+# Each optimizer with every state precision it takes (Apollo keeps fp32 states only).
+KINDS = [("adamw", "fp32"), ("adamw", "bf16"), ("adamw", "8bit"), ("apollo", "fp32")]
+KIND_IDS = [f"{kind}-{precision}" for kind, precision in KINDS]
 
 
 def make_params(dtype, shapes=SHAPES, device="cpu"):
@@ -27,19 +31,24 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def make_optimizer(kind, precision, params, **options):
+    if kind == "apollo":
+        return fusedoff.Apollo(params, lr=0.01, **options)
+    return fusedoff.AdamW(params, state_precision=precision, **options)
+
+
 def state_tensors(opt, keep) -> list[torch.Tensor]:
     """The optimizer's state tensors whose key passes `keep` (step counters are never predicted)."""
     return [t for s in opt.state.values() for k, t in s.items() if isinstance(t, torch.Tensor) and k != "step" and keep(k)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["adamw", "apollo"])
-def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kind, dtype):
+@pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
+def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kind, precision, dtype):
     params = make_params(dtype)
-    opt = (fusedoff.Apollo(params, lr=0.01, offload="none") if kind == "apollo"
-           else fusedoff.AdamW(params, offload="none"))
+    opt = make_optimizer(kind, precision, params, offload="none")
     opt.step()
-    got = memory.predict(params, optimizer=kind, offload="none")
+    got = memory.predict(params, optimizer=kind, offload="none", state_precision=precision)
     assert got.device[memory.PARAMETERS] == nbytes(params)
     assert got.device[memory.GRADIENTS] == nbytes(p.grad for p in params)
     assert got.device[memory.STATES] == nbytes(state_tensors(opt, lambda k: k != "master_param"))
@@ -50,15 +59,15 @@ def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["adamw", "apollo"])
-def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, dtype):
+@pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
+def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, dtype):
     # With CPU parameters offload="stream" runs the same store and buffer rotation as on a GPU.
     params = make_params(dtype)
     chunk = 256  # several chunks, tensors spanning them
     options = dict(offload="stream", chunk_size=chunk, num_buffers=3)
-    opt = fusedoff.Apollo(params, lr=0.01, **options) if kind == "apollo" else fusedoff.AdamW(params, **options)
+    opt = make_optimizer(kind, precision, params, **options)
     opt.step()
-    got = memory.predict(params, optimizer=kind, **options)
+    got = memory.predict(params, optimizer=kind, state_precision=precision, **options)
     stats = opt.memory_stats()
     assert got.host_total == stats["host_bytes"]
     assert memory.check_memory_stats(got, stats) == []
@@ -67,8 +76,8 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, dtype):
     assert got.host[memory.HOST_MASTERS] == nbytes(slab for name, slab in slabs if name == "master_param")
     assert got.host[memory.HOST_STATES] == nbytes(slab for name, slab in slabs if name != "master_param")
     assert got.host[memory.HOST_MASTERS] > 0 if dtype == torch.bfloat16 else got.host[memory.HOST_MASTERS] == 0
-    buffers = [b for pipeline in opt._engine.pipelines.values() for buffer_set in pipeline.buffers for b in buffer_set]
-    assert got.device[memory.BUFFERS] == nbytes(buffers)
+    buffers = [buffer_set for pipeline in opt._engine.pipelines.values() for buffer_set in pipeline.buffers]
+    assert len(buffers) == 3 and got.device[memory.BUFFERS] == nbytes(buffers)
     assert got.device[memory.STATES] == got.device[memory.MASTERS] == 0
 
 
@@ -83,24 +92,87 @@ def test_check_memory_stats_reports_a_difference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["adamw", "apollo"])
-def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(kind, dtype):
+@pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
+def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(kind, precision, dtype):
     params = make_params(dtype)
-    per_element = (3 if kind == "apollo" else 2) * 4 + (4 if dtype == torch.bfloat16 else 0)
-    budget = per_element * params[0].numel() + 100  # the first tensor fits, then only what fits the rest
+    # The first tensor (one element) by hand: its states (8-bit: a code and a block scale for each
+    # moment) and master; then only what fits the rest.
+    first = {"fp32": 3 * 4 if kind == "apollo" else 2 * 4, "bf16": 2 * 2, "8bit": 2 * (1 + 4)}[precision]
+    budget = first + (4 if dtype == torch.bfloat16 else 0) + 100
     options = dict(offload="stream", chunk_size=64, device_budget=budget)
-    opt = fusedoff.Apollo(params, lr=0.01, **options) if kind == "apollo" else fusedoff.AdamW(params, **options)
+    opt = make_optimizer(kind, precision, params, **options)
     opt.step()
-    got = memory.predict(params, optimizer=kind, **options)
+    got = memory.predict(params, optimizer=kind, state_precision=precision, **options)
     stats = opt.memory_stats()
     assert memory.check_memory_stats(got, stats) == []
     assert 0 < stats["resident_bytes"] <= budget and stats["streamed_bytes"] > 0
     # Resident states are tensors of opt.state on the parameters' device, counted by hand here.
-    by_hand = sum(v.numel() * 4 for p in params for k, v in opt.state[p].items()
+    by_hand = sum(v.numel() * v.element_size() for p in params for k, v in opt.state[p].items()
                   if k != "step" and not any(v.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
                                              for layout in opt._engine.layouts.values() if layout.store is not None
                                              for slabs in layout.store.slabs.values() for slab in slabs))
     assert stats["resident_bytes"] == by_hand
+
+
+def test_streamed_8bit_states_by_hand_two_buckets_share_the_largest_buffer_set():
+    # An fp32 bucket (7 and 300 elements) and a bf16 one with fp32 masters (1000 elements).
+    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n, dtype in
+              ((7, torch.float32), (300, torch.float32), (1000, torch.bfloat16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    options = dict(offload="stream", chunk_size=100)  # 112 (16-aligned), then 256: whole 8-bit blocks
+    opt = fusedoff.AdamW(params, state_precision="8bit", **options)
+    opt.step()
+    got = memory.predict(params, state_precision="8bit", **options)
+    assert memory.check_memory_stats(got, opt.memory_stats()) == []
+    # Each tensor starts on a multiple of 256 elements: 7 -> 256, 300 -> 512, 1000 -> 1024. Per element
+    # one byte of each moment, per 256 one fp32 scale of each.
+    fp32_bucket = 2 * (256 + 512) + 2 * 4 * 3
+    bf16_bucket = 2 * 1024 + 2 * 4 * 4
+    assert got.host[memory.HOST_STATES] == fp32_bucket + bf16_bucket
+    assert got.host[memory.HOST_MASTERS] == 4 * 1024
+    # A buffer set holds a chunk of 256 elements of each state, each region rounded up to 64 bytes:
+    # codes 256 + 256, scales 64 + 64, and the bf16 bucket's master 1024. Two sets of the larger.
+    assert got.device[memory.BUFFERS] == 2 * (256 + 256 + 64 + 64 + 1024)
+    assert got.device[memory.STATES] == got.device[memory.MASTERS] == 0
+
+
+def test_compressed_states_predicted_from_shapes_alone():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())  # every tensor a multiple of 256 elements: no padding
+    chunk = fusedoff.offload.engine.DEFAULT_CHUNK_SIZE
+    eight = memory.predict(model, offload="stream", device="cuda", state_precision="8bit")
+    assert eight.host[memory.HOST_STATES] == 2 * n + 2 * 4 * n // 256 and eight.host[memory.HOST_MASTERS] == 4 * n
+    assert eight.device[memory.BUFFERS] == 2 * (2 * chunk + 2 * 4 * chunk // 256 + 4 * chunk)
+    bf16 = memory.predict(model, offload="stream", device="cuda", state_precision="bf16")
+    assert bf16.host[memory.HOST_STATES] == 2 * 2 * n and bf16.device[memory.BUFFERS] == 2 * (2 + 2 + 4) * chunk
+    resident = memory.predict(model, offload="none", device="cuda", state_precision="8bit")
+    assert resident.device[memory.STATES] == 2 * n + 2 * 4 * n // 256 and resident.host_total == 0
+
+
+def test_state_precision_refused_where_the_setup_does_not_take_it():
+    params = make_params(torch.bfloat16)
+    for setup in ("plain", "upcast"):
+        with pytest.raises(ValueError, match="state_precision='8bit' is a fusedoff option"):
+            memory.predict(params, setup=setup, state_precision="8bit")
+    with pytest.raises(ValueError, match="Apollo keeps fp32 states only"):
+        memory.predict(params, optimizer="apollo", state_precision="bf16")
+    with pytest.raises(ValueError, match="amsgrad"):  # as fusedoff.AdamW refuses it
+        memory.predict(params, amsgrad=True, state_precision="8bit")
+    with pytest.raises(ValueError, match="state_precision must be one of"):
+        memory.predict(params, state_precision="int4")
+
+
+def test_the_label_and_the_table_say_a_compressed_precision():
+    params = make_params(torch.bfloat16, shapes=((1024, 1024),))
+    eight = memory.predict(params, offload="stream", device="cuda", state_precision="8bit")
+    upcast = memory.predict(params, setup="upcast")
+    assert (eight.label, eight.state_precision, upcast.state_precision) == ("fusedoff stream 8bit", "8bit", None)
+    lines = memory.format_report([eight, upcast]).splitlines()
+    assert lines[1].split()[-2:] == ["8bit", "-"] and lines[1].startswith("  fusedoff state precision")
+    fp32 = memory.predict(params, offload="stream", device="cuda")
+    assert fp32.label == "fusedoff stream" and "precision" not in memory.format_report([fp32, upcast])
 
 
 @pytest.mark.parametrize("kind", ["adamw", "apollo"])
@@ -259,7 +331,7 @@ def test_plot_writes_a_png(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("setup", ["fusedoff", "upcast"])
+@pytest.mark.parametrize("setup", ["fusedoff", "fusedoff-8bit", "upcast"])
 def test_cuda_measured_step_matches_the_prediction(setup):
     # Sizes in multiples of 512 bytes: the caching allocator rounds every block up to 512 bytes.
     shapes = [(2**20,)] * 4 + [(512, 1024)]
@@ -272,6 +344,11 @@ def test_cuda_measured_step_matches_the_prediction(setup):
     if setup == "fusedoff":
         opt = fusedoff.AdamW(params, offload="stream", chunk_size=chunk)
         predicted = memory.predict(params, offload="stream", chunk_size=chunk)
+    elif setup == "fusedoff-8bit":  # the first tensor's codes, scales and master resident (6 MiB + 32 KiB)
+        options = dict(offload="stream", chunk_size=chunk, device_budget=7 * 2**20, state_precision="8bit")
+        opt = fusedoff.AdamW(params, **options)
+        predicted = memory.predict(params, **options)
+        assert 0 < predicted.device[memory.STATES] < predicted.host[memory.HOST_STATES]
     else:
         opt = UpcastMixedPrecision(params, lambda masters: torch.optim.AdamW(masters, fused=True))
         predicted = memory.predict(params, setup="upcast")
@@ -291,5 +368,5 @@ def test_cuda_measured_step_matches_the_prediction(setup):
     for name in ("forward", "backward", "step"):
         phase = report.phases[name]
         assert 0 <= phase.peak_bytes - predicted.present(name) <= slack, (name, phase, predicted)
-    if setup == "fusedoff":
+    if setup != "upcast":
         assert memory.check_memory_stats(predicted, opt.memory_stats()) == []
