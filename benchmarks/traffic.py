@@ -14,9 +14,16 @@ Precisions (``PRECISIONS``):
   fp32         fp32 params, fp32 grads, fp32 states.
   bf16_master  bf16 params and grads; the optimizer keeps fp32 master weights and fp32 states.
 
+State precisions of fusedoff.AdamW (``STATE_PRECISIONS``, its ``state_precision``): how the two moments
+are stored; the master weights stay fp32.
+  fp32         4 bytes each.
+  bf16         2 bytes each.
+  8bit         1 byte each, and one fp32 absmax scale per moment per block of 256 elements.
+
 The streamed layout is re-derived here from the rule in fusedoff/offload/plan.py (each tensor starts at
-a multiple of 16 elements; chunks of ``chunk_size`` elements over that flat space), independently of
-the engine's own ChunkPlan, and the tests compare the two.
+a multiple of the plan's alignment: 16 elements, or 256 with 8-bit states so that no scale block spans
+two chunks; chunks of ``chunk_size`` elements, rounded up to that alignment, over that flat space),
+independently of the engine's own ChunkPlan, and the tests compare the two.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 FP32 = 4
 ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
+QUANT_BLOCK = 256  # fusedoff/kernels/codec.py: elements per fp32 scale of an 8-bit moment
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,28 @@ PRECISIONS = {
     "fp32": Precision("fp32", param=4, grad=4, master=False),
     "bf16_master": Precision("bf16_master", param=2, grad=2, master=True),
 }
+
+
+@dataclass(frozen=True)
+class StatePrecision:
+    name: str
+    moment: int  # bytes per element of exp_avg and of exp_avg_sq
+    block: int = 0  # one fp32 scale per moment per block of this many elements (0: none)
+
+    def moment_states(self) -> dict[str, tuple[int, int]]:
+        """The stored moments (and their scales) as name: (bytes per value, elements per value)."""
+        states = {"exp_avg": (self.moment, 1), "exp_avg_sq": (self.moment, 1)}
+        if self.block:
+            states.update({"exp_avg_absmax": (FP32, self.block), "exp_avg_sq_absmax": (FP32, self.block)})
+        return states
+
+
+STATE_PRECISIONS = {
+    "fp32": StatePrecision("fp32", moment=4),
+    "bf16": StatePrecision("bf16", moment=2),
+    "8bit": StatePrecision("8bit", moment=1, block=QUANT_BLOCK),
+}
+FP32_STATES = STATE_PRECISIONS["fp32"]
 
 
 @dataclass(frozen=True)
@@ -92,17 +122,39 @@ def bound_seconds(traffic: Traffic, bandwidth: Bandwidth) -> tuple[float | None,
 # ---- the fused update's own bytes ----------------------------------------------------------------------
 
 
-def adam_update_bytes(precision: Precision, amsgrad: bool = False) -> int:
+def _check_adam_states(amsgrad: bool, state: StatePrecision) -> None:
+    if amsgrad and state.name != "fp32":  # as fusedoff.AdamW refuses it
+        raise ValueError(f"amsgrad keeps fp32 states only, got state precision {state.name!r}")
+
+
+def _adam_update_terms(precision: Precision, amsgrad: bool, state: StatePrecision) -> tuple[int, int]:
+    """(bytes per element, bytes per scale block) of one fused Adam update."""
+    _check_adam_states(amsgrad, state)
+    moments = 2 * state.moment + FP32 * int(amsgrad)  # max_exp_avg_sq is fp32
+    reads = FP32 + precision.grad + moments
+    writes = FP32 + moments + (precision.param if precision.master else 0)
+    return reads + writes, 2 * 2 * FP32 if state.block else 0  # each moment's scale read and written
+
+
+def adam_update_bytes(precision: Precision, amsgrad: bool = False, state: StatePrecision = FP32_STATES) -> float:
     """Per element, one fused Adam/AdamW update where its states are (fusedoff's kernel).
 
     Reads the fp32 weights (the param, or the master), the grad, exp_avg, exp_avg_sq (and
     max_exp_avg_sq); writes the fp32 weights and the states, and with master weights the rounded
-    low-precision param too. fp32: 16 + 12 = 28; bf16_master: 14 + 14 = 28.
+    low-precision param too. fp32: 16 + 12 = 28; bf16_master: 14 + 14 = 28. Compressed moments (`state`)
+    are read and written at their size; 8-bit ones also read and write each moment's fp32 scale once per
+    block, 16 / 256 bytes per element here (an int for fp32 and bf16 states, a float for 8-bit ones;
+    `adam_tensors_update_bytes` counts each tensor's last, partial block whole).
     """
-    states = 2 + int(amsgrad)
-    reads = FP32 + precision.grad + FP32 * states
-    writes = FP32 + FP32 * states + (precision.param if precision.master else 0)
-    return reads + writes
+    per_element, per_block = _adam_update_terms(precision, amsgrad, state)
+    return per_element + per_block / state.block if state.block else per_element
+
+
+def adam_tensors_update_bytes(numels: Sequence[int], precision: Precision, amsgrad: bool = False,
+                              state: StatePrecision = FP32_STATES) -> int:
+    """One fused Adam/AdamW update of tensors of `numels` elements (8-bit scales: each tensor's blocks)."""
+    per_element, per_block = _adam_update_terms(precision, amsgrad, state)
+    return sum(per_element * n + (per_block * -(-n // state.block) if state.block else 0) for n in numels)
 
 
 # Apollo, per pass (fusedoff) or op (eager reference), as (what, tensors read, tensors written). p g m B d
@@ -170,12 +222,17 @@ def describe_steps(steps: Sequence[tuple[str, str, str]]) -> str:
 # ---- the streamed layout -------------------------------------------------------------------------------
 
 
-def chunk_layout(numels: Sequence[int], chunk_size: int) -> list[tuple[int, bool]]:
-    """(elements, holds whole tensors only) per chunk of the streamed flat layout."""
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def chunk_layout(numels: Sequence[int], chunk_size: int, align: int = ALIGN_ELEMENTS) -> list[tuple[int, bool]]:
+    """(elements, holds whole tensors only) per chunk of the streamed flat layout, each tensor starting
+    on a multiple of `align` elements (`chunk_size` a multiple of it)."""
     offsets, flat = [], 0
     for n in numels:
         offsets.append(flat)
-        flat = -(-(flat + n) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        flat = _round_up(flat + n, align)
     chunks = []
     for begin in range(0, flat, chunk_size):
         end = min(begin + chunk_size, flat)
@@ -187,18 +244,33 @@ def chunk_layout(numels: Sequence[int], chunk_size: int) -> list[tuple[int, bool
     return chunks
 
 
-def _streamed(chunks: Sequence[int], read: Sequence[str], write: Sequence[str]) -> tuple[int, int]:
-    """(h2d, d2h) bytes of one pipeline pass over `chunks`: every written state is also copied in."""
-    copied_in = set(read) | set(write)
+def _streamed(chunks: Sequence[int], read: Sequence[str], write: Sequence[str],
+              sizes: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(h2d, d2h) bytes of one pipeline pass over `chunks`: every written state is also copied in, a chunk
+    of a state whole. `sizes`: name: (bytes per value, elements per value) where not fp32 per element."""
     elements = sum(chunks)
-    return FP32 * len(copied_in) * elements, FP32 * len(set(write)) * elements
+
+    def moved(names) -> int:
+        total = 0
+        for name in set(names):
+            size, block = (sizes or {}).get(name, (FP32, 1))
+            total += size * elements // block  # chunks hold whole blocks (the plan is aligned to them)
+        return total
+
+    return moved(set(read) | set(write)), moved(write)
 
 
 def adam_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision,
-                     amsgrad: bool = False) -> tuple[int, int]:
-    """(h2d, d2h) of a streamed Adam/AdamW step: one pass, every state (and the master) in and out."""
-    states = ["exp_avg", "exp_avg_sq"] + ["max_exp_avg_sq"] * amsgrad + ["master_param"] * precision.master
-    return _streamed([n for n, _ in chunk_layout(numels, chunk_size)], states, states)
+                     amsgrad: bool = False, state: StatePrecision = FP32_STATES) -> tuple[int, int]:
+    """(h2d, d2h) of a streamed Adam/AdamW step: one pass, every state (and the master) in and out.
+    The plan is aligned to the largest block of a state (8-bit scales: 256 elements), and the chunk size
+    rounded up to a multiple of it, as the engine does (OffloadEngine.plan_chunk_size)."""
+    _check_adam_states(amsgrad, state)
+    sizes = state.moment_states()
+    states = [*sizes, *["max_exp_avg_sq"] * amsgrad, *["master_param"] * precision.master]
+    align = max(ALIGN_ELEMENTS, state.block)
+    layout = chunk_layout(numels, _round_up(chunk_size, align), align)
+    return _streamed([n for n, _ in layout], states, states, sizes)
 
 
 def apollo_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision, config: str) -> tuple[int, int]:
@@ -233,18 +305,21 @@ def apollo_stream_link(numels: Sequence[int], chunk_size: int, precision: Precis
 
 
 def fusedoff_traffic(optimizer: str, precision: Precision, offload: str, numels: Sequence[int], chunk_size: int,
-                     device: str, apollo_config: str = "constant_L2") -> Traffic:
-    """fusedoff.AdamW / fusedoff.Apollo with offload 'none' or 'stream' (params and grads on `device`)."""
+                     device: str, apollo_config: str = "constant_L2", state: StatePrecision = FP32_STATES) -> Traffic:
+    """fusedoff.AdamW / fusedoff.Apollo with offload 'none' or 'stream' (params and grads on `device`),
+    AdamW's moments stored as `state` says (Apollo keeps fp32 states only)."""
     n = sum(numels)
     if optimizer == "adamw":
-        memory = adam_update_bytes(precision) * n
+        memory = adam_tensors_update_bytes(numels, precision, state=state)
+    elif state.name != "fp32":
+        raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state precision {state.name!r}")
     else:
         memory = apollo_update_bytes(APOLLO_FUSED_PASSES[apollo_config], precision) * n
     where = "device" if device == "cuda" else "host"
     if offload == "none":
         return Traffic(memory=memory, where=where)
     if optimizer == "adamw":
-        h2d, d2h = adam_stream_link(numels, chunk_size, precision)
+        h2d, d2h = adam_stream_link(numels, chunk_size, precision, state=state)
     else:
         h2d, d2h = apollo_stream_link(numels, chunk_size, precision, apollo_config)
     return Traffic(h2d=h2d, d2h=d2h, memory=memory, where=where)

@@ -18,10 +18,12 @@ import timing  # noqa: E402
 import traffic  # noqa: E402
 
 import fusedoff  # noqa: E402
+from fusedoff import ops  # noqa: E402
 from fusedoff.offload import pipeline as pipeline_module  # noqa: E402
 from fusedoff.offload.plan import ChunkPlan  # noqa: E402
 
 FP32, BF16 = traffic.PRECISIONS["fp32"], traffic.PRECISIONS["bf16_master"]
+STATES = traffic.STATE_PRECISIONS
 G = 2**30
 
 
@@ -63,6 +65,22 @@ def test_adam_update_bytes_by_hand():
     assert traffic.adam_update_bytes(FP32, amsgrad=True) == 28 + 8
 
 
+def test_adam_update_bytes_with_compressed_states_by_hand():
+    # bf16 moments: 2 B each. fp32 params: read p g (8) m v (4), write p (4) m v (4); bf16 + master: read
+    # master 4, g 2, m v 4; write master 4, m v 4, the bf16 param 2
+    assert traffic.adam_update_bytes(FP32, state=STATES["bf16"]) == 12 + 8
+    assert traffic.adam_update_bytes(BF16, state=STATES["bf16"]) == 10 + 10
+    # 8-bit moments: 1 B each, and per 256 elements each moment's fp32 scale read and written (16 B)
+    assert traffic.adam_update_bytes(FP32, state=STATES["8bit"]) == 10 + 6 + 16 / 256
+    assert traffic.adam_update_bytes(BF16, state=STATES["8bit"]) == 8 + 8 + 16 / 256
+    assert traffic.adam_update_bytes(FP32, state=STATES["fp32"]) == 28  # the default
+    # Whole tensors: a last, partial block has a whole scale (7 elements: one block; 300: two)
+    assert traffic.adam_tensors_update_bytes([7, 300], FP32, state=STATES["8bit"]) == 16 * 307 + 16 * 3
+    assert traffic.adam_tensors_update_bytes([7, 300], BF16, state=STATES["bf16"]) == 20 * 307
+    with pytest.raises(ValueError, match="amsgrad"):  # fusedoff.AdamW refuses it too
+        traffic.adam_update_bytes(FP32, amsgrad=True, state=STATES["8bit"])
+
+
 def test_streamed_adamw_bf16_master_moves_12_bytes_each_way():
     n = G  # 1G params in 4096 x 4096 tensors: every tensor 16-aligned, so no padding
     numels = [2**24] * (n // 2**24)
@@ -74,20 +92,40 @@ def test_streamed_adamw_bf16_master_moves_12_bytes_each_way():
     assert traffic.fusedoff_traffic("adamw", BF16, "none", numels, 4 * 2**20, "cuda").link == 0
 
 
+def test_streamed_adamw_with_compressed_states_moves_their_bytes():
+    n = G  # 2**24-element tensors: multiples of 256, so no padding
+    numels = [2**24] * (n // 2**24)
+    eight = traffic.fusedoff_traffic("adamw", BF16, "stream", numels, 4 * 2**20, "cuda", state=STATES["8bit"])
+    # the master (4), one byte of each moment, each moment's fp32 scale per 256 elements: each way
+    assert (eight.h2d, eight.d2h) == ((4 + 1 + 1) * n + 2 * 4 * n // 256,) * 2
+    assert eight.memory == 16 * n + 16 * n // 256
+    bf16 = traffic.fusedoff_traffic("adamw", BF16, "stream", numels, 4 * 2**20, "cuda", state=STATES["bf16"])
+    assert (bf16.h2d, bf16.d2h, bf16.memory) == ((4 + 2 + 2) * n, (4 + 2 + 2) * n, 20 * n)
+    fp32 = traffic.fusedoff_traffic("adamw", FP32, "stream", numels, 4 * 2**20, "cuda", state=STATES["8bit"])
+    assert (fp32.h2d, fp32.d2h) == (2 * n + 2 * 4 * n // 256,) * 2  # no master: the moments alone
+    with pytest.raises(ValueError, match="fp32 states only"):
+        traffic.fusedoff_traffic("apollo", FP32, "stream", numels, 4 * 2**20, "cuda", state=STATES["bf16"])
+
+
 def test_streamed_bytes_count_the_alignment_padding():
     # tensors of 5 and 7 elements: the second starts at 16, the flat space ends at 32
     t = traffic.fusedoff_traffic("adamw", BF16, "stream", [5, 7], 16, "cpu")
     assert (t.h2d, t.d2h) == (3 * 4 * 32, 3 * 4 * 32)
+    # 8-bit states: tensors start on multiples of 256 (the second at 256, the space ends at 512) and the
+    # chunk of 16 becomes 256; master 4 B and codes 1 + 1 B per element, two scales of 4 B per block
+    t = traffic.fusedoff_traffic("adamw", BF16, "stream", [5, 7], 16, "cpu", state=STATES["8bit"])
+    assert (t.h2d, t.d2h) == ((4 + 1 + 1) * 512 + 2 * 4 * 2,) * 2
 
 
-def test_chunk_layout_matches_the_engine():
+@pytest.mark.parametrize("align", [16, 256])  # fp32 and bf16 states; 8-bit ones (whole scale blocks)
+def test_chunk_layout_matches_the_engine(align):
     rng = random.Random(0)
     for _ in range(200):
         numels = [rng.choice([0, 1, 7, 16, 33, 100, 257, 1000]) for _ in range(rng.randint(1, 8))]
-        chunk = 16 * rng.randint(1, 20)
-        plan = ChunkPlan(numels, chunk)
+        chunk = align * rng.randint(1, 20)
+        plan = ChunkPlan(numels, chunk, align=align)
         want = [(c.numel, plan.whole_tensors_only(c)) for c in plan.chunks]
-        assert traffic.chunk_layout(numels, chunk) == want, (numels, chunk)
+        assert traffic.chunk_layout(numels, chunk, align) == want, (numels, chunk)
 
 
 def test_streamed_apollo_by_hand():
@@ -105,21 +143,28 @@ def test_streamed_apollo_by_hand():
     assert traffic.apollo_stream_link(whole, chunk, BF16, "belief_stable") == (16 * n // 2, 16 * n // 2)
 
 
+OPTIMIZER_STATES = [("adamw", None, "fp32"), ("adamw", None, "bf16"), ("adamw", None, "8bit"),
+                    ("apollo", "constant_L2", "fp32"), ("apollo", "belief_stable", "fp32")]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16_master"])
-@pytest.mark.parametrize("optimizer,config", [("adamw", None), ("apollo", "constant_L2"), ("apollo", "belief_stable")])
-def test_streamed_bytes_match_what_the_optimizer_asks_the_pipeline_for(monkeypatch, optimizer, config, precision):
-    """The engine's own passes, counted by its rule (every written state is also copied in), give the
-    same bytes as traffic.py: a check that the phase tables follow fusedoff/optim/apollo.py."""
-    numels, chunk = [40, 300, 7, 64], 64  # whole-tensor chunks and a tensor spanning chunks
+@pytest.mark.parametrize("optimizer,config,state", OPTIMIZER_STATES, ids=lambda v: str(v))
+def test_streamed_bytes_match_what_the_optimizer_asks_the_pipeline_for(monkeypatch, optimizer, config, state,
+                                                                        precision):
+    """The engine's own passes, counted by its rule (every written state is also copied in) over its own
+    store (each chunk of each state as it lies in host memory, padding and scale blocks included), give the
+    same bytes as traffic.py: a check that the phase tables follow fusedoff/optim/apollo.py and that the
+    layout follows the engine's alignment and chunk rounding."""
+    numels, chunk = [40, 300, 7, 64], 64  # whole-tensor chunks and a tensor spanning chunks (8-bit: 256)
     moved = {"h2d": 0, "d2h": 0}
     original = pipeline_module.StreamPipeline.run
 
     def spy(self, plan, store, *, read, write, compute, touches=(), chunks=None):
         read, write = tuple(read), tuple(write)
-        chunks = None if chunks is None else list(chunks)
-        elements = sum(c.numel for c in (plan.chunks if chunks is None else chunks))
-        moved["h2d"] += 4 * len(set(read) | set(write)) * elements
-        moved["d2h"] += 4 * len(set(write)) * elements
+        chunks = plan.chunks if chunks is None else list(chunks)
+        for c in chunks:
+            moved["h2d"] += sum(store.chunk(name, c).nbytes for name in set(read) | set(write))
+            moved["d2h"] += sum(store.chunk(name, c).nbytes for name in set(write))
         return original(self, plan, store, read=read, write=write, compute=compute, touches=touches,
                         chunks=chunks)
 
@@ -129,14 +174,53 @@ def test_streamed_bytes_match_what_the_optimizer_asks_the_pipeline_for(monkeypat
     for p in params:
         p.grad = torch.randn_like(p)
     if optimizer == "adamw":
-        opt = fusedoff.AdamW(params, offload="stream", chunk_size=chunk, backend="torch")
-        want = traffic.adam_stream_link(numels, chunk, traffic.PRECISIONS[precision])
+        opt = fusedoff.AdamW(params, offload="stream", chunk_size=chunk, backend="torch", state_precision=state)
+        want = traffic.adam_stream_link(numels, chunk, traffic.PRECISIONS[precision], state=STATES[state])
     else:
         opt = fusedoff.Apollo(params, lr=1e-2, warmup=0, weight_decay=1e-2, offload="stream", chunk_size=chunk,
                               backend="torch", **traffic.APOLLO_CONFIGS[config])
         want = traffic.apollo_stream_link(numels, chunk, traffic.PRECISIONS[precision], config)
     opt.step()
     assert (moved["h2d"], moved["d2h"]) == want
+
+
+@pytest.mark.parametrize("offload", ["none", "stream"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_master"])
+@pytest.mark.parametrize("state", list(STATES))
+def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, state, precision, offload):
+    """The kernel's bytes counted over the tensors the optimizer hands its fused op (whole tensors, or
+    pieces of chunk buffers): the grad read; every state, scale and master read and written; the param
+    written, and read too where it is the fp32 weight."""
+    numels = [7, 300, 1000, 4097]  # partial 8-bit blocks; with chunks of 256, tensors spanning chunks
+    counted = {"bytes": 0}
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def counting(name, num_state_lists):
+        original = getattr(ops, name)
+
+        def spy(params, grads, *rest, **kwargs):
+            states, masters = rest[:num_state_lists], rest[num_state_lists]
+            counted["bytes"] += (nbytes(grads) + 2 * nbytes(t for ts in states for t in ts) + 2 * nbytes(masters)
+                                 + nbytes(params) * (1 if masters else 2))
+            return original(params, grads, *rest, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+
+    counting("adam_step_", 3)  # exp_avgs, exp_avg_sqs, max_exp_avg_sqs, then the masters
+    counting("adam_compressed_step_", 4)  # codes (or bf16) of both moments, both scales, then the masters
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in numels]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = fusedoff.AdamW(params, offload=offload, chunk_size=256, backend="torch", state_precision=state)
+    opt.step()
+    assert counted["bytes"] == traffic.adam_tensors_update_bytes(numels, traffic.PRECISIONS[precision],
+                                                                 state=STATES[state])
+    t = traffic.fusedoff_traffic("adamw", traffic.PRECISIONS[precision], offload, numels, 256, "cpu",
+                                 state=STATES[state])
+    assert t.memory == counted["bytes"]
 
 
 def test_apollo_update_bytes_by_hand():
