@@ -1,0 +1,384 @@
+"""Question: what does each state precision cost and save on the CPU? One fusedoff.AdamW step
+(backend='cpu', offload='none', fp32 params and grads) with state_precision 'fp32', 'bf16' and '8bit',
+beside torch.optim.AdamW(fused=True) and, where installed and able to run on the CPU, the 8-bit AdamW
+of torchao and of bitsandbytes.
+
+Every contender steps the same parameter (one fp32 tensor, its gradient attached once) with states of
+its own, all timed in one interleaved loop (timing.time_interleaved: A, B, C, A, B, C, ...) together
+with the in-place bandwidth passes over the parameter and the gradient. Per contender:
+
+  state B/param   the bytes of its states (every tensor in ``opt.state[p]`` but ``step``), per parameter:
+                  fp32 8, bf16 4, 8-bit 2 codes + 8/256 for one fp32 absmax per 256-element block of
+                  each moment (bitsandbytes adds two 256-entry code maps per tensor). fusedoff's rows
+                  also carry opt.memory_stats()'s count of the same bytes.
+  kernel B/param  the bytes one step must move: param read + write (4 + 4), grad read (4), and each
+                  state read and written once: 12 + 2 x state B/param (fp32 28, bf16 20, 8-bit 16.06).
+                  Temporaries an implementation adds (the peers' fp32 dequantized copies) are not counted.
+  bound ms        kernel B/param x params / the best in-place pass's bandwidth, timed in the same loop.
+  ratio           median step / median fusedoff fp32-state step, with the p10-p90 of the per-repeat ratios.
+  update rel err  ||dw - dw_ref|| / ||dw_ref|| after a few steps of a small problem with fresh random
+                  gradients, against torch.optim.AdamW in float64: what the precision costs in accuracy
+                  (and a check that each contender ran the same update).
+
+The fp32-state step is memory-bound: a compressed step moves fewer bytes, so it should beat it unless
+decoding and encoding the states costs more than the bytes saved.
+
+    .venv/bin/python benchmarks/bench_state_precision.py                         # 64M params, results/
+    .venv/bin/python benchmarks/bench_state_precision.py --numel 1M --repeats 3 --no-peers --out-dir /tmp/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import peers  # noqa: E402
+import timing  # noqa: E402
+from peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
+
+import fusedoff  # noqa: E402
+from fusedoff._ext import load_extension  # noqa: E402
+
+PRECISIONS = ("fp32", "bf16", "8bit")
+PARAM_GRAD_BYTES = 4 + 4 + 4  # fp32 param read + write, fp32 grad read
+BASELINE = "fusedoff_fp32"
+RESULTS_KEY = "bench_state_precision"
+QUALITY_NUMEL, QUALITY_STEPS = 1 << 16, 10
+
+
+@dataclass
+class Contender:
+    name: str
+    label: str  # what is timed, for the table
+    state_precision: str
+    build: Callable[[torch.nn.Parameter], object]  # the optimizer over one parameter
+    peer: bool = False  # optional package: skipped with a reason when it cannot run
+
+
+def _fusedoff(precision: str) -> Contender:
+    return Contender(f"fusedoff_{precision}", f"fusedoff.AdamW(state_precision='{precision}')", precision,
+                     lambda p: fusedoff.AdamW([p], backend="cpu", offload="none", state_precision=precision,
+                                              **ADAM_HYPER))
+
+
+def _torchao(p: torch.nn.Parameter):
+    try:
+        from torchao.optim import AdamW8bit
+    except Exception as exc:
+        raise PeerUnavailable(f"torchao not importable ({type(exc).__name__}: {exc})") from exc
+    return AdamW8bit([p], **ADAM_HYPER)  # block_size 256, as fusedoff's
+
+
+def _bitsandbytes(p: torch.nn.Parameter):
+    try:
+        import bitsandbytes as bnb
+    except Exception as exc:
+        raise PeerUnavailable(f"bitsandbytes not importable ({type(exc).__name__}: {exc})") from exc
+    return bnb.optim.AdamW8bit([p], **ADAM_HYPER)  # block-wise, 256 elements per absmax on the CPU
+
+
+def contenders(with_peers: bool = True) -> list[Contender]:
+    out = [_fusedoff(p) for p in PRECISIONS]
+    out.append(Contender("torch_fused", "torch.optim.AdamW(fused=True)", "fp32",
+                         lambda p: torch.optim.AdamW([p], fused=True, **ADAM_HYPER)))
+    if with_peers:
+        out.append(Contender("torchao_8bit", "torchao.optim.AdamW8bit", "8bit", _torchao, peer=True))
+        out.append(Contender("bnb_8bit", "bitsandbytes.optim.AdamW8bit", "8bit", _bitsandbytes, peer=True))
+    return out
+
+
+# ---- what a contender holds and moves ----------------------------------------------------------------
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor, or of the inner tensors of a tensor subclass (torchao's 8-bit states)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(optimizer, param: torch.Tensor) -> int:
+    """Bytes of every state tensor the optimizer keeps for `param` (not its step count)."""
+    return sum(_tensor_bytes(v) for k, v in optimizer.state[param].items()
+               if k != "step" and isinstance(v, torch.Tensor))
+
+
+def kernel_bytes_per_param(state_bytes_per_param: float) -> float:
+    """Bytes one step must move per parameter: param and grad, and every state read and written once."""
+    return PARAM_GRAD_BYTES + 2 * state_bytes_per_param
+
+
+# ---- the accuracy a precision costs --------------------------------------------------------------------
+
+
+def update_errors(built: dict[str, Contender], numel: int = QUALITY_NUMEL,
+                  steps: int = QUALITY_STEPS) -> dict[str, float]:
+    """Relative L2 error of each contender's total update after `steps` steps, against float64 torch AdamW."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=generator) * 0.1
+    grads = [torch.randn(numel, generator=generator) * 1e-2 for _ in range(steps)]
+    reference = torch.nn.Parameter(start.double())
+    optimizer = torch.optim.AdamW([reference], foreach=False, **ADAM_HYPER)
+    for g in grads:
+        reference.grad = g.double()
+        optimizer.step()
+    expected = reference.detach() - start.double()
+    errors = {}
+    for name, contender in built.items():
+        param = torch.nn.Parameter(start.clone())
+        optimizer = contender.build(param)
+        for g in grads:
+            param.grad = g
+            optimizer.step()
+        errors[name] = float((param.detach().double() - start.double() - expected).norm() / expected.norm())
+    return errors
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+
+def measure(args) -> tuple[list[dict], timing.LoadMonitor]:
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(args.numel, generator=generator) * 0.1)
+    param.grad = torch.randn(args.numel, generator=generator) * 1e-2
+
+    running: dict[str, Contender] = {}
+    optimizers: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+    candidates = contenders(not args.no_peers)
+    for c in candidates:
+        try:
+            optimizers[c.name] = c.build(param)
+            optimizers[c.name].step()  # the first step: states created, kernels compiled (torchao)
+            running[c.name] = c
+        except Exception as exc:  # a missing package, or a peer that cannot run on the CPU
+            if not c.peer:
+                raise
+            skipped[c.name] = str(exc) if isinstance(exc, PeerUnavailable) else f"{type(exc).__name__}: {exc}"
+            optimizers.pop(c.name, None)
+            print(f"{c.name}: skipped ({skipped[c.name]})", flush=True)
+
+    kernels = timing.bandwidth_kernels(param.detach(), param.grad)
+    callables = {name: optimizers[name].step for name in running} | {k.name: k.fn for k in kernels}
+    print(f"timing {', '.join(callables)}: {args.numel} params, {args.repeats} repeats, {args.threads} threads ...",
+          flush=True)
+    with timing.LoadMonitor() as load:
+        samples = timing.time_interleaved(callables, repeats=args.repeats, warmup=max(0, args.warmup - 1))
+    bandwidth = {k.name: k.bytes_per_call / timing.summarize(samples[k.name]).median for k in kernels}
+    best = max(bandwidth, key=bandwidth.get)
+    errors = update_errors(running)
+    others = None if load.others_share is None else round(load.others_share, 3)
+    common = {"numel": args.numel, "threads": args.threads, "repeats": args.repeats}
+
+    baseline = samples[BASELINE]
+    baseline_median = timing.summarize(baseline).median
+    rows = []
+    for c in candidates:
+        row = {"contender": c.name, "what": c.label, "state_precision": c.state_precision, **common}
+        if c.name in skipped:
+            rows.append({**row, "status": f"skipped: {skipped[c.name]}"})
+            continue
+        s = timing.summarize(samples[c.name])
+        ratio = timing.paired_ratio(samples[c.name], baseline)
+        held = state_bytes(optimizers[c.name], param) / args.numel
+        moved = kernel_bytes_per_param(held)
+        bound = moved * args.numel / bandwidth[best]
+        stats = optimizers[c.name].memory_stats() if c.name.startswith("fusedoff") else None
+        rows.append({
+            **row, "status": "ok", **timing.summary_columns("ms", s, 1e3),
+            "ratio_to_fusedoff_fp32": round(s.median / baseline_median, 4),
+            "ratio_paired_q10": round(ratio.q10, 4), "ratio_paired_q90": round(ratio.q90, 4),
+            "state_bytes_per_param": round(held, 6),
+            "memory_stats_bytes_per_param": None if stats is None else round(stats["resident_bytes"] / args.numel, 6),
+            "bytes_per_param": round(moved, 6),
+            "achieved_gb_per_s": round(moved * args.numel / s.median / 1e9, 2),
+            "bandwidth_gb_per_s": round(bandwidth[best] / 1e9, 2), "bandwidth_kernel": best,
+            "bound_ms": round(bound * 1e3, 3), "fraction_of_bound": round(bound / s.median, 3),
+            "update_rel_err": float(f"{errors[c.name]:.3e}"), "others_cpu_share": others,
+        })
+    for k in kernels:
+        s = timing.summarize(samples[k.name])
+        rows.append({"contender": k.name, "what": k.description, **common, "status": "ok",
+                     **timing.summary_columns("ms", s, 1e3),
+                     "achieved_gb_per_s": round(k.bytes_per_call / s.median / 1e9, 2), "others_cpu_share": others})
+    return rows, load
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+
+
+def _ratio(r: dict) -> str:
+    if r["contender"] == BASELINE:
+        return "1 (itself)"
+    return f"{r['ratio_to_fusedoff_fp32']:.2f} [{r['ratio_paired_q10']:.2f}-{r['ratio_paired_q90']:.2f}]"
+
+
+TABLE_COLUMNS = [
+    ("contender", lambda r: r["contender"]),
+    ("states", lambda r: r.get("state_precision")),
+    ("median ms", lambda r: f"{r['ms_median']:.2f}"),
+    ("p10-p90 ms", lambda r: f"{r['ms_q10']:.2f}-{r['ms_q90']:.2f}"),
+    ("vs fusedoff fp32 [p10-p90]", _ratio),
+    ("state B/param", lambda r: f"{r['state_bytes_per_param']:.4g}"),
+    ("kernel B/param", lambda r: f"{r['bytes_per_param']:.4g}"),
+    ("GB/s", lambda r: f"{r['achieved_gb_per_s']:.1f}"),
+    ("bound ms", lambda r: f"{r['bound_ms']:.2f}"),
+    ("% of bound", lambda r: f"{100 * r['fraction_of_bound']:.0f}%"),
+    ("update rel. err", lambda r: f"{r['update_rel_err']:.1e}"),
+    ("status", lambda r: r["status"] if r["status"] != "ok" else ""),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    return timing.markdown_table([r for r in rows if r.get("state_precision")], TABLE_COLUMNS)
+
+
+def format_verdicts(rows: list[dict]) -> str:
+    """Each compressed contender against the fp32-state step: measured, and what the bytes alone would give."""
+    by_name = {r["contender"]: r for r in rows}
+    base = by_name[BASELINE]
+    lines = []
+    for r in rows:
+        if r.get("state_precision") in (None, "fp32") or r["status"] != "ok":
+            continue
+        verdict = "beats" if r["ratio_to_fusedoff_fp32"] < 1 else "DOES NOT BEAT"
+        lines.append(f"- {r['contender']}: {r['ms_median']:.2f} vs {base['ms_median']:.2f} ms = "
+                     f"{r['ratio_to_fusedoff_fp32']:.2f}x the fp32-state step ({verdict} it); its bytes alone "
+                     f"({r['bytes_per_param']:.4g} vs {base['bytes_per_param']:.4g} B/param) would give "
+                     f"{r['bytes_per_param'] / base['bytes_per_param']:.2f}x; {100 * r['fraction_of_bound']:.0f}% "
+                     f"of its bound")
+        eight = by_name.get("fusedoff_8bit", {})
+        if not r["contender"].startswith("fusedoff") and eight.get("status") == "ok":
+            lines[-1] += f"; fusedoff_8bit is {r['ms_median'] / eight['ms_median']:.2f}x faster than it"
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Left: median step (whiskers p10-p90, log scale: the peers are slower by an order of magnitude) with
+    each contender's bound; right: the bytes each holds and moves per parameter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.get("state_precision") and r["status"] == "ok"]
+    x = list(range(len(shown)))
+    labels = [r["contender"].replace("_", "\n", 1) for r in shown]
+    colors = ["tab:green" if r["contender"].startswith("fusedoff") else "tab:gray" for r in shown]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    err = [[r["ms_median"] - r["ms_q10"] for r in shown], [r["ms_q90"] - r["ms_median"] for r in shown]]
+    left.bar(x, [r["ms_median"] for r in shown], yerr=err, capsize=4, color=colors, label="median step (p10-p90)")
+    left.scatter(x, [r["bound_ms"] for r in shown], marker="_", s=900, color="tab:red", zorder=3,
+                 label="bound: kernel bytes / best in-place pass")
+    for i, r in enumerate(shown):
+        left.annotate(f"{r['ms_median']:.1f} ms\n{r['ratio_to_fusedoff_fp32']:.2f}x", (i, r["ms_q90"]), ha="center",
+                      va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
+    left.set_yscale("log")
+    left.set_ylabel("step time, ms (log)")
+    left.set_title("step time; ratio to fusedoff fp32 states", fontsize=10)
+    left.legend(fontsize=8, loc="upper left")
+    width = 0.4
+    right.bar([i - width / 2 for i in x], [r["state_bytes_per_param"] for r in shown], width, color="tab:blue",
+              label="state bytes held")
+    right.bar([i + width / 2 for i in x], [r["bytes_per_param"] for r in shown], width, color="tab:orange",
+              label="bytes a step moves (12 + 2 x states)")
+    right.set_ylabel("bytes per parameter")
+    right.set_title("bytes per parameter", fontsize=10)
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(x, labels, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def results_markdown(rows: list[dict], meta: dict, args, load_note: str) -> str:
+    skipped = "".join(f"\n- {r['contender']}: {r['status']}" for r in rows if r["status"].startswith("skipped"))
+    bw = next(r for r in rows if r["contender"] == BASELINE)
+    counted = ", ".join(f"{r['contender']} {r['memory_stats_bytes_per_param']:.4g}" for r in rows
+                        if r.get("memory_stats_bytes_per_param"))
+    return f"""## bench_state_precision: what each state precision costs and saves on the CPU
+
+- date: {meta['date_utc']}{' — ' + args.label if args.label else ''}
+- load: {load_note}
+{timing.hardware_lines(meta)}
+- versions: python {meta['python']}, torch {meta['torch']}, fusedoff {meta['fusedoff']} (cpu ISA
+  {meta['fusedoff_cpu_isa']}); torchao {meta['torchao']}, bitsandbytes {meta['bitsandbytes']};
+  {meta['torch_threads']} threads
+- command: `{timing.command_line()}`
+- {args.numel} fp32 params ({args.numel / 2**20:g}M) in one tensor, its fp32 gradient fixed; every contender steps
+  it with states of its own; one first step each, {max(0, args.warmup - 1)} more warm-up steps, then
+  {args.repeats} interleaved repeats; AdamW lr={ADAM_HYPER['lr']}, betas={ADAM_HYPER['betas']},
+  eps={ADAM_HYPER['eps']}, weight_decay={ADAM_HYPER['weight_decay']}{skipped}
+
+{format_table(rows)}
+
+"vs fusedoff fp32" = median / median of the fp32-state step, and the p10-p90 of the per-repeat paired ratios.
+State B/param: the bytes of the states held (fusedoff's memory_stats() counts the same:
+{counted}).
+Kernel B/param = 12 (param read + write, grad read) + 2 x state B/param: what a step must move; the peers
+move more (their fp32 temporaries are not counted). Bound = kernel bytes / {bw['bandwidth_gb_per_s']:.1f} GB/s, the best
+in-place pass ({bw['bandwidth_kernel']}) timed in the same loop. Update rel. err: ||dw - dw_ref|| / ||dw_ref||
+after {QUALITY_STEPS} steps of {QUALITY_NUMEL} params with fresh random gradients, against float64 torch.optim.AdamW.
+
+The target: a compressed step beats the fp32-state step.
+{format_verdicts(rows)}
+
+Files: `{RESULTS_KEY}.csv` (one row per contender and bandwidth pass, hardware and version columns),
+`{RESULTS_KEY}.png`.
+"""
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=timing.parse_size, default=64 * 2**20,
+                        help="parameters, e.g. 64M (default) or 1M")
+    parser.add_argument("--repeats", type=int, default=20, help="interleaved repeats per contender (default 20)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="warm-up steps per contender, the first included (default 3)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for all contenders")
+    parser.add_argument("--no-peers", action="store_true", help="skip torchao and bitsandbytes")
+    parser.add_argument("--out-dir", type=Path, default=timing.RESULTS_DIR, help="CSV, PNG and RESULTS.md go here")
+    parser.add_argument("--label", default="", help="a note for the results, e.g. 'machine shared'")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows, load = measure(args)
+    load_note = timing.load_note(load)
+    versions = peers.versions()
+    meta = timing.hardware_metadata(args.threads, {
+        "fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": load_extension().cpu_isa(),
+        "torchao": versions["torchao"], "bitsandbytes": versions["bitsandbytes"],
+        "label": args.label, "load": load_note,
+    })
+    print()
+    print(format_table(rows))
+    print()
+    print(format_verdicts(rows))
+    print(f"\nload: {load_note}")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    timing.write_csv(args.out_dir / f"{RESULTS_KEY}.csv", rows, meta)
+    title = (f"AdamW step by state precision, {args.numel / 2**20:g}M fp32 params, {args.threads} threads, "
+             f"{meta['cpu_model']}; torch {meta['torch']}; {meta['date_utc']}"
+             + (f"\n{args.label}" if args.label else ""))
+    plot(rows, args.out_dir / f"{RESULTS_KEY}.png", title)
+    timing.update_results_section(args.out_dir / "RESULTS.md", RESULTS_KEY,
+                                  results_markdown(rows, meta, args, load_note))
+    print(f"wrote {args.out_dir}/{RESULTS_KEY}.csv, {RESULTS_KEY}.png, RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()
