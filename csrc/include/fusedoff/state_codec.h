@@ -61,10 +61,20 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t rounding_step_key(uint32_t tensor_
   return mix32(tensor_key ^ mix32(step));
 }
 
+// The key of the 2^32 indices that share the high half of `index` (a loop over a range of indices
+// computes it once and then only 32-bit arithmetic per element).
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t rounding_span_key(uint32_t step_key, int64_t index) {
+  return step_key ^ (static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) * 0x9e3779b9u);
+}
+
+// 32 random bits for the element whose index has low half `index_low`, under its span's key.
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t rounding_bits_in_span(uint32_t span_key, uint32_t index_low) {
+  return mix32(index_low ^ span_key);
+}
+
 // 32 random bits for element `index` of the tensor.
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t rounding_bits(uint32_t step_key, int64_t index) {
-  const uint64_t i = static_cast<uint64_t>(index);
-  return mix32(static_cast<uint32_t>(i) ^ step_key ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u));
+  return rounding_bits_in_span(rounding_span_key(step_key, index), static_cast<uint32_t>(index));
 }
 
 // ---- bf16 with stochastic rounding --------------------------------------------------------------
