@@ -349,6 +349,16 @@ def test_half_budget_verdict():
     assert targets.half_budget(rows).verdict == "MISSES"
 
 
+def test_stream_8bit_verdict():
+    fp32 = _stream(G, 180.0, 0.9, opt_host_bytes=16 * G)  # 12 bytes a parameter each way
+    compressed = _row("fusedoff_stream_8bit", G, 100.0, h2d_bytes=6 * G, opt_host_bytes=int(6.03 * G))
+    v = targets.stream_8bit([fp32, compressed])
+    assert v.verdict == "meets" and "1.80x" in v.measured and "2.00x" in v.measured and "host 8-bit 6.03 GiB" in v.measured
+    compressed["ms_median"] = 101.0  # 1.78x
+    assert targets.stream_8bit([fp32, compressed]).verdict == "MISSES"
+    assert targets.stream_8bit([fp32]).verdict == "not measured"
+
+
 def test_stream_memory_verdict():
     bound = 96 * 2**20
     row = _stream(G, 1.0, 0.9, gpu_peak_bytes=int(bound * 1.009), gpu_peak_first_step_bytes=bound * 2,
