@@ -470,3 +470,15 @@ def test_training_quality_matches_fp32_states(precision, final_tolerance):
 
     fp32, compressed = run("fp32"), run(precision)
     assert abs(compressed - fp32) <= final_tolerance * fp32, (compressed, fp32)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_a_deep_copy_steps_exactly_as_the_original(precision):
+    params = make_params()
+    opt = fusedoff.AdamW(params, lr=1e-2, state_precision=precision, seed=5, offload="stream", chunk_size=32)
+    train(opt, params, 2)
+    twin_params, twin = copy.deepcopy((params, opt))
+    assert twin.param_groups[0]["state_precision"] == precision and twin.param_groups[0]["seed"] == 5
+    train(opt, params, 2, start=2)
+    train(twin, twin_params, 2, start=2)
+    assert_same(snapshot(twin, twin_params), snapshot(opt, params))
