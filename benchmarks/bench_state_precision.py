@@ -282,6 +282,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         left.annotate(f"{r['ms_median']:.1f} ms\n{r['ratio_to_fusedoff_fp32']:.2f}x", (i, r["ms_q90"]), ha="center",
                       va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
     left.set_yscale("log")
+    left.set_ylim(top=4 * max(r["ms_q90"] for r in shown))  # room for the labels above the tallest whisker
     left.set_ylabel("step time, ms (log)")
     left.set_title("step time; ratio to fusedoff fp32 states", fontsize=10)
     left.legend(fontsize=8, loc="upper left")
