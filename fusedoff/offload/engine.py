@@ -85,7 +85,8 @@ class StateLayout:
             value = state.get(name)
             if value is not None and value is placed[name][t]:
                 continue
-            if value is not None and spec.dtype != torch.float32 and value.dtype != spec.dtype:
+            if value is not None and (value.dtype != spec.dtype if spec.dtype != torch.float32
+                                      else not value.is_floating_point()):
                 raise ValueError(f"state {name!r} is kept as {spec.dtype}, got a {value.dtype} tensor")
             if self.resident[t]:
                 state[name] = placed[name][t] = self._resident_state(spec, param, value)

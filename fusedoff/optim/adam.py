@@ -12,8 +12,8 @@ from fusedoff.kernels import codec
 from fusedoff.offload.update import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import local_tensor
-from fusedoff.tensor_layout import flat_view, in_layout_of
+from fusedoff.sharding import is_dtensor, local_tensor
+from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
 
@@ -61,9 +61,16 @@ class Adam(FusedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
-            merged = {**self.defaults, **param_group}
-            _check_precision(merged["state_precision"], merged["seed"], merged["amsgrad"])
+            self._check_group_options({**self.defaults, **param_group})
         super().add_param_group(param_group)
+
+    def _check_group_options(self, group: dict) -> None:
+        _check_precision(group.get("state_precision", "fp32"), group.get("seed", 0), group.get("amsgrad", False))
+
+    def _check_group_param(self, group: dict, param: Tensor) -> None:
+        if group["state_precision"] != "fp32" and is_dtensor(param):
+            raise ValueError(f"state_precision={group['state_precision']!r} does not support sharded (DTensor) "
+                             "parameters yet (their block scales and checkpoints are per shard); use 'fp32' for them")
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return tuple(spec.name for spec in self._state_specs(group))
@@ -112,13 +119,16 @@ class Adam(FusedOptimizer):
             target = codec.state_dtype(precision)
             if value.dtype == target and precision != "8bit":
                 continue
+            local = local_tensor(param)
             if value.dtype == target:  # 8-bit codes: with their scales
                 absmax = state.get(f"{name}_absmax")
                 if not isinstance(absmax, Tensor) or absmax.numel() != codec.num_blocks(value.numel()):
                     raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {codec.num_blocks(value.numel())} "
                                      "block scales")
-                out[name], out[f"{name}_absmax"] = value, absmax
-                continue
+                if value.numel() <= 1 or value.stride() == local.stride():
+                    out[name], out[f"{name}_absmax"] = value, absmax
+                    continue
+                # Blocks run in memory order: codes laid out unlike the parameter are quantized afresh.
             fp32 = _moment_fp32(state, name, param)
             if precision == "8bit":
                 codes, out[f"{name}_absmax"] = codec.quantize(flat_view(fp32), signed=name == "exp_avg")
@@ -131,8 +141,9 @@ class Adam(FusedOptimizer):
     def fp32_state_dict(self) -> dict:
         """``state_dict()`` with every moment as fp32 (compressed ones decoded, their block scales
         left out): what ``torch.optim.Adam``/``AdamW.load_state_dict`` takes. The groups keep
-        fusedoff's options, which torch ignores."""
+        fusedoff's options (torch ignores them), with ``state_precision`` "fp32" as their states are."""
         state_dict = self.state_dict()
+        state_dict["param_groups"] = [{**g, "state_precision": "fp32"} for g in state_dict["param_groups"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, state in state_dict["state"].items():
             param = params[pid]
@@ -253,15 +264,16 @@ def _check_precision(state_precision, seed, amsgrad) -> None:
 def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     """State `name` of `state` (fp32, bf16 or 8-bit codes with their scales) as fp32, shaped and
     laid out like the parameter's local tensor."""
-    value = state[name]
+    value = local_tensor(state[name])
     local = local_tensor(param)
     if value.dtype != torch.uint8:
-        return in_layout_of(local_tensor(value).to(torch.float32).reshape(local.shape), local)
-    codes = flat_view(in_layout_of(local_tensor(value).reshape(local.shape), local))
-    values = codec.dequantize(codes, state[f"{name}_absmax"], signed=name == "exp_avg")
-    out = torch.empty_like(local, dtype=torch.float32, device=values.device)
-    flat_view(out).copy_(values)
-    return out
+        return in_layout_of(value.to(torch.float32).reshape(local.shape), local)
+    # The blocks of 8-bit codes run in the codes' own memory order: decoded in it, then laid out
+    # like the parameter.
+    codes = value if is_dense(value) else value.contiguous()
+    decoded = torch.empty_like(codes, dtype=torch.float32)
+    flat_view(decoded).copy_(codec.dequantize(flat_view(codes), state[f"{name}_absmax"], signed=name == "exp_avg"))
+    return in_layout_of(decoded.reshape(local.shape), local)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable) -> tuple:

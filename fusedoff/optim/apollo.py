@@ -59,11 +59,7 @@ class Apollo(FusedOptimizer):
                  weight_decay_type: str | None = None, *, backend: str = "auto",
                  master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
                  num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32") -> None:
-        if state_precision != "fp32":
-            raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}: "
-                             "compressed Apollo states are not implemented (its curvature B and update d feed "
-                             "whole-tensor sums every step, and no quality check has been run for them compressed); "
-                             "fusedoff.AdamW and fusedoff.Adam take 'bf16' and '8bit'")
+        _refuse_compressed(state_precision)
         if not 0.0 < lr:
             raise ValueError(f"Invalid learning rate value: {lr}")
         if not 0.0 <= eps:
@@ -92,6 +88,14 @@ class Apollo(FusedOptimizer):
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg_grad", "approx_hessian", "update")
+
+    def _check_group_options(self, group: dict) -> None:
+        _refuse_compressed(group.get("state_precision", "fp32"))
+
+    def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, dict):
+            self._check_group_options(param_group)
+        super().add_param_group(param_group)
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         hyper = dict(lr=float(group["lr"]), base_lr=float(group["base_lr"]), init_lr=float(group["init_lr"]),
@@ -139,3 +143,11 @@ class Apollo(FusedOptimizer):
             for pid, state in state_dict["state"].items()
         }
         return state_dict
+
+
+def _refuse_compressed(state_precision: str) -> None:
+    if state_precision != "fp32":
+        raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}: "
+                         "compressed Apollo states are not implemented (its curvature B and update d feed "
+                         "whole-tensor sums every step, and no quality check has been run for them compressed); "
+                         "fusedoff.AdamW and fusedoff.Adam take 'bf16' and '8bit'")

@@ -97,6 +97,13 @@ class FusedOptimizer(Optimizer):
         (default: as it is). Raises before anything changes if it cannot be."""
         return state
 
+    def _check_group_options(self, group: dict) -> None:
+        """Raises if `group`'s fusedoff options cannot work together (a loaded group, or one
+        changed since it was added); default: nothing to check."""
+
+    def _check_group_param(self, group: dict, param: Tensor) -> None:
+        """Raises if `param` cannot be stepped with `group`'s options; default: nothing to check."""
+
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
                       found_inf: Tensor | None, names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:
         """The fused update of one bucket of `group` whose states are `names` (master_param included
@@ -222,6 +229,16 @@ class FusedOptimizer(Optimizer):
             total, peak = self._engine.runtime(device).memory_info()
             self._engine.decide(device, placement.auto_budget(total, peak, needed, buffers))
 
+    def _storage_changed(self) -> bool:
+        """True when a group's options now store its states otherwise than its placed layouts do
+        (``group["state_precision"]`` changed since the last step)."""
+        for (index, _, _, master), layout in self._engine.layouts.items():
+            if index < len(self.param_groups):
+                specs = self._bucket_specs(self.param_groups[index], master)
+                if tuple(layout.specs.values()) != specs:
+                    return True
+        return False
+
     def _place_loaded_states(self) -> None:
         """After load_state_dict: every state placed afresh (budgets of 'auto' decided again at the
         next step), values taken from ``opt.state``; those that cannot be placed before that step
@@ -265,6 +282,7 @@ class FusedOptimizer(Optimizer):
         # Validate everything before any state changes: a bad gradient leaves the optimizer untouched.
         work = []
         for index, group in enumerate(self.param_groups):
+            self._check_group_options(group)
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is not None:
@@ -273,7 +291,10 @@ class FusedOptimizer(Optimizer):
                 backend = resolve_backend(group["backend"], device)
                 for p in params:
                     check_param(p)
+                    self._check_group_param(group, p)
                 work.append((index, group, device, master, params, backend))
+        if self._storage_changed():
+            self._place_loaded_states()  # states kept afresh in the groups' new form, values converted
         self._decide_budgets({device for _, _, device, _, _, _ in work})
         placed = []
         for index, group, device, master, params, backend in work:

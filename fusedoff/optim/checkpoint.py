@@ -20,6 +20,8 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
     """Load pre-hook: validates, then keeps the state tensors out of torch's loader."""
     states = state_dict["state"]
     tensors = {pid: {k: v for k, v in s.items() if isinstance(v, Tensor) or k == "step"} for pid, s in states.items()}
+    for group in state_dict["param_groups"]:  # options that cannot work together: refused now
+        optimizer._check_group_options({**optimizer.defaults, **group})
     saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, param in zip(saved_ids, params):  # check everything before changing anything
