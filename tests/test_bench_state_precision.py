@@ -43,7 +43,12 @@ def test_csv_rows_and_columns(run):
         assert column in rows["fusedoff_fp32"], column
     assert all(r["numel"] == NUMEL and r["status"] == "ok" and r["torch_threads"] == 1 for r in rows.values())
     assert [rows[n]["state_precision"] for n in STATE_BYTES] == ["fp32", "bf16", "8bit", "fp32"]
-    assert (out / "bench_state_precision.png").stat().st_size > 0
+    try:  # the plot needs matplotlib (the bench extra): without it the run says so and writes the rest
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in run[2] and not (out / "bench_state_precision.png").exists()
+    else:
+        assert (out / "bench_state_precision.png").stat().st_size > 0
     section = (out / "RESULTS.md").read_text()
     assert "<!-- bench_state_precision:begin -->" in section and "<!-- bench_state_precision:end -->" in section
     assert all(name in section for name in STATE_BYTES)
@@ -69,13 +74,18 @@ def test_figures_agree(run):
         r = rows[name]
         assert r["ms_min"] <= r["ms_q10"] <= r["ms_median"] <= r["ms_q90"] <= r["ms_max"]
         assert r["ratio_paired_q10"] <= r["ratio_paired_q90"]
-        assert r["ratio_to_fusedoff_fp32"] == pytest.approx(r["ms_median"] / base, rel=2e-3)
+        # the CSV keeps ms to 3 decimals and the ratio to 4: compare within those roundings
+        rounding = 5e-4 / base * (1 + r["ms_median"] / base) + 5e-5
+        assert r["ratio_to_fusedoff_fp32"] == pytest.approx(r["ms_median"] / base, abs=rounding)
         assert (r["bandwidth_gb_per_s"], r["bandwidth_kernel"]) == (best["achieved_gb_per_s"], best["contender"])
         bound_ms = r["bytes_per_param"] * NUMEL / (r["bandwidth_gb_per_s"] * 1e9) * 1e3
         assert r["bound_ms"] == pytest.approx(bound_ms, rel=2e-3, abs=2e-3)
-        assert r["fraction_of_bound"] == pytest.approx(r["bound_ms"] / r["ms_median"], rel=1e-2, abs=2e-3)
-        assert r["achieved_gb_per_s"] == pytest.approx(r["bytes_per_param"] * NUMEL / r["ms_median"] / 1e6,
-                                                       rel=1e-2, abs=0.01)
+        # recomputed from the CSV's rounded ms (3 decimals): within what that rounding moves them
+        ms_rounding = 5e-4 / r["ms_median"] + 5e-4 / max(r["bound_ms"], 5e-4)
+        fraction = r["bound_ms"] / r["ms_median"]
+        assert abs(r["fraction_of_bound"] - fraction) <= fraction * ms_rounding + 5e-4
+        achieved = r["bytes_per_param"] * NUMEL / r["ms_median"] / 1e6
+        assert abs(r["achieved_gb_per_s"] - achieved) <= achieved * 5e-4 / r["ms_median"] + 0.005
 
 
 def test_update_errors_order_the_precisions(run):
