@@ -573,3 +573,29 @@ def test_changing_a_groups_precision_keeps_the_values(placement):
     with pytest.raises(ValueError, match="amsgrad"):
         train(opt, params, 1, start=3)
     assert all(opt.state[p]["step"].item() == 3 for p in params)
+
+
+def test_pinned_slabs_never_share_a_page():
+    """Page-locking works on whole pages and a page locked twice fails (the store would fall back
+    to pageable memory): the tiny 8-bit scale slabs must not share a page with any other slab."""
+    import mmap
+
+    from fusedoff.offload.plan import ChunkPlan
+    from fusedoff.offload.store import HostStateStore
+    from fusedoff.optim.adam import adam_state_specs
+
+    locked = []
+
+    def pin(slab):
+        first = slab.data_ptr() // mmap.PAGESIZE
+        last = (slab.data_ptr() + slab.numel() * slab.element_size() - 1) // mmap.PAGESIZE
+        pages = set(range(first, last + 1))
+        if any(pages & other for other in locked):
+            return False  # what cudaHostRegister answers for a page already locked
+        locked.append(pages)
+        return True
+
+    plan = ChunkPlan([1000, 300, 7], 256, 512, align=256)  # several segments, small slabs
+    store = HostStateStore(plan, adam_state_specs("8bit"), pin=pin)
+    assert store.pinned and len(locked) == 4 * len(plan.segment_sizes)
+    assert all(s.data_ptr() % mmap.PAGESIZE == 0 for slabs in store.slabs.values() for s in slabs)

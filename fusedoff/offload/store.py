@@ -10,6 +10,7 @@ rounds each request up to a power of two): the store holds the bytes it needs an
 
 from __future__ import annotations
 
+import mmap
 import warnings
 import weakref
 from collections.abc import Callable
@@ -49,7 +50,8 @@ class HostStateStore:
         for name, spec in self.specs.items():
             slabs = []
             for size in plan.segment_sizes:
-                slab = torch.zeros(size // spec.block, dtype=spec.dtype)
+                slab = torch.zeros(size // spec.block, dtype=spec.dtype) if pin is None else \
+                    _page_aligned_zeros(size // spec.block, spec.dtype)
                 if self.pinned and size:
                     if pin(slab):
                         pinned.append(slab)
@@ -77,3 +79,13 @@ class HostStateStore:
         spec = self.specs[name]
         begin = self.plan.offsets[tensor] // spec.block
         return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + spec.numel(self.plan.numels[tensor])]
+
+
+def _page_aligned_zeros(numel: int, dtype: torch.dtype) -> Tensor:
+    """Zeros on pages of their own. Page-locking works on whole pages, and a second lock of a page
+    another lock holds fails: small slabs (8-bit block scales: 1/64 of the codes' bytes) that the
+    allocator put side by side would make the store fall back to pageable memory."""
+    nbytes = numel * dtype.itemsize
+    raw = torch.zeros(nbytes + 2 * mmap.PAGESIZE, dtype=torch.uint8)
+    start = -raw.data_ptr() % mmap.PAGESIZE
+    return raw[start : start + nbytes].view(dtype)  # the view keeps `raw` alive
