@@ -26,14 +26,31 @@ DType storage_dtype(const at::Tensor& t, const char* what) {
   }
 }
 
-void check_state(const at::Tensor& state, const at::Tensor& param, const char* what, int64_t index) {
-  TORCH_CHECK(state.scalar_type() == at::kFloat, "fusedoff: ", what, "[", index, "] must be float32, got ",
-              state.scalar_type());
+const char* state_dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kByte: return "uint8";
+    default: return "a supported dtype";
+  }
+}
+
+// A state tensor of `param`: fp32 with one value per element unless `dtype`/`numel` say otherwise
+// (compressed states: bf16 or uint8 codes, and their block scales).
+void check_state(const at::Tensor& state, const at::Tensor& param, const char* what, int64_t index,
+                 at::ScalarType dtype = at::kFloat, int64_t numel = -1) {
+  TORCH_CHECK(state.scalar_type() == dtype, "fusedoff: ", what, "[", index, "] must be ", state_dtype_name(dtype),
+              ", got ", state.scalar_type());
   TORCH_CHECK(state.device() == param.device(), "fusedoff: ", what, "[", index, "] is on ", state.device(),
               " but its parameter is on ", param.device());
   TORCH_CHECK(state.is_contiguous(), "fusedoff: ", what, "[", index, "] must be contiguous");
-  TORCH_CHECK(state.numel() == param.numel(), "fusedoff: ", what, "[", index, "] has ", state.numel(),
-              " elements but its parameter has ", param.numel());
+  if (numel < 0) {
+    TORCH_CHECK(state.numel() == param.numel(), "fusedoff: ", what, "[", index, "] has ", state.numel(),
+                " elements but its parameter has ", param.numel());
+  } else {
+    TORCH_CHECK(state.numel() == numel, "fusedoff: ", what, "[", index, "] has ", state.numel(),
+                " elements, expected ", numel);
+  }
 }
 
 void check_scalar(const std::optional<at::Tensor>& t, const at::Device& device, const char* what) {
@@ -169,17 +186,6 @@ void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
 
 // ---- Adam with compressed moments (state_codec.h) ----------------------------------------------
 
-void check_compressed_state(const at::Tensor& state, const at::Tensor& param, at::ScalarType dtype, int64_t numel,
-                            const char* what, int64_t index) {
-  TORCH_CHECK(state.scalar_type() == dtype, "fusedoff: ", what, "[", index, "] must be ", dtype, ", got ",
-              state.scalar_type());
-  TORCH_CHECK(state.device() == param.device(), "fusedoff: ", what, "[", index, "] is on ", state.device(),
-              " but its parameter is on ", param.device());
-  TORCH_CHECK(state.is_contiguous(), "fusedoff: ", what, "[", index, "] must be contiguous");
-  TORCH_CHECK(state.numel() == numel, "fusedoff: ", what, "[", index, "] has ", state.numel(), " elements, expected ",
-              numel);
-}
-
 CompressedAdamLaunch describe_compressed_adam_call(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
     at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, at::TensorList master_params,
@@ -219,11 +225,11 @@ CompressedAdamLaunch describe_compressed_adam_call(
     check_param_grad_step(params, grads, steps, i, device);
     const at::Tensor& p = params[i];
     const int64_t blocks = (p.numel() + kQuantBlock - 1) / kQuantBlock;
-    check_compressed_state(exp_avgs[i], p, state_type, p.numel(), "exp_avgs", i);
-    check_compressed_state(exp_avg_sqs[i], p, state_type, p.numel(), "exp_avg_sqs", i);
+    check_state(exp_avgs[i], p, "exp_avgs", i, state_type, p.numel());
+    check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, state_type, p.numel());
     if (block8) {
-      check_compressed_state(exp_avg_absmaxs[i], p, at::kFloat, blocks, "exp_avg_absmaxs", i);
-      check_compressed_state(exp_avg_sq_absmaxs[i], p, at::kFloat, blocks, "exp_avg_sq_absmaxs", i);
+      check_state(exp_avg_absmaxs[i], p, "exp_avg_absmaxs", i, at::kFloat, blocks);
+      check_state(exp_avg_sq_absmaxs[i], p, "exp_avg_sq_absmaxs", i, at::kFloat, blocks);
     }
     if (launch.has_master) check_state(master_params[i], p, "master_params", i);
     TORCH_CHECK(offsets[i] >= 0 && (!block8 || offsets[i] % kQuantBlock == 0), "fusedoff: offsets[", i, "] is ",

@@ -355,7 +355,7 @@ BAD_CALLS = {
     "64-bit-key": (_swap("tensor_keys", 1, lambda k: 2**32), r"tensor_keys\[1\] must be a 32-bit"),
     "no-absmax": (_set("exp_avg_absmaxs", lambda c: []), "8-bit states need one exp_avg_absmax"),
     "fp32-states": (_set("exp_avgs", lambda c: [t.float() for t in c["exp_avgs"]]), "bfloat16 or uint8"),
-    "bf16-state-with-codes": (_swap("exp_avg_sqs", 1, lambda t: t.bfloat16()), r"exp_avg_sqs\[1\] must be torch.uint8"),
+    "bf16-state-with-codes": (_swap("exp_avg_sqs", 1, lambda t: t.bfloat16()), r"exp_avg_sqs\[1\] must be uint8"),
     "absmax-numel": (_swap("exp_avg_sq_absmaxs", 1, lambda t: t[:-1]),
                      r"exp_avg_sq_absmaxs\[1\] has 3 elements, expected 4"),
     "code-numel": (_swap("exp_avgs", 0, lambda t: t[1:]), r"exp_avgs\[0\] has 6 elements, expected 7"),

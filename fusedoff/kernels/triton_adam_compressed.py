@@ -249,19 +249,6 @@ def _adam_compressed_kernel(
 
 
 # ---- argument checks and the launcher -----------------------------------------------------------
-def _check_compressed_state(state: Tensor, param: Tensor, dtype: torch.dtype, numel: int, what: str,
-                            index: int) -> None:
-    """``check_compressed_state`` of csrc/ops.cpp: a code, bf16 or absmax tensor of ``param``."""
-    if state.dtype != dtype:
-        raise ValueError(f"fusedoff: {what}[{index}] must be {dtype}, got {state.dtype}")
-    if state.device != param.device:
-        raise ValueError(f"fusedoff: {what}[{index}] is on {state.device} but its parameter is on {param.device}")
-    if not state.is_contiguous():
-        raise ValueError(f"fusedoff: {what}[{index}] must be contiguous")
-    if state.numel() != numel:
-        raise ValueError(f"fusedoff: {what}[{index}] has {state.numel()} elements, expected {numel}")
-
-
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps,
                 offsets, tensor_keys, grad_scale, found_inf) -> bool:
     """The checks of ``describe_compressed_adam_call`` in csrc/ops.cpp, all made before anything is
@@ -285,12 +272,12 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_s
     for i, (p, g) in enumerate(zip(params, grads)):
         check_param_and_grad(i, p, g, params, grads, device)
         check_step(steps[i], i, device)
-        _check_compressed_state(exp_avgs[i], p, state_dtype, p.numel(), "exp_avgs", i)
-        _check_compressed_state(exp_avg_sqs[i], p, state_dtype, p.numel(), "exp_avg_sqs", i)
+        check_state(exp_avgs[i], p, "exp_avgs", i, state_dtype, p.numel())
+        check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i, state_dtype, p.numel())
         if block8:
             blocks = codec.num_blocks(p.numel())
-            _check_compressed_state(exp_avg_absmaxs[i], p, torch.float32, blocks, "exp_avg_absmaxs", i)
-            _check_compressed_state(exp_avg_sq_absmaxs[i], p, torch.float32, blocks, "exp_avg_sq_absmaxs", i)
+            check_state(exp_avg_absmaxs[i], p, "exp_avg_absmaxs", i, torch.float32, blocks)
+            check_state(exp_avg_sq_absmaxs[i], p, "exp_avg_sq_absmaxs", i, torch.float32, blocks)
         if master_params:
             check_state(master_params[i], p, "master_params", i)
         if offsets[i] < 0 or (block8 and offsets[i] % codec.QUANT_BLOCK != 0):

@@ -109,18 +109,22 @@ INTERPRETED = not isinstance(fp64_pow, triton.runtime.jit.JITFunction)
 # ---- argument checks (those of csrc/ops.cpp, all made before anything is written) ---------------
 
 
-def check_state(state: Tensor, param: Tensor, what: str, index: int) -> None:
-    """A float32 state (or master) tensor of ``param``: dtype, device, contiguity, size."""
-    if state.dtype != torch.float32:
-        raise ValueError(f"fusedoff: {what}[{index}] must be float32, got {state.dtype}")
+def check_state(state: Tensor, param: Tensor, what: str, index: int, dtype: torch.dtype = torch.float32,
+                numel: int | None = None) -> None:
+    """A state (or master) tensor of ``param``: dtype, device, contiguity, size; fp32 with one value
+    per element unless `dtype`/`numel` say otherwise (compressed states and their block scales)."""
+    if state.dtype != dtype:
+        raise ValueError(f"fusedoff: {what}[{index}] must be {str(dtype).removeprefix('torch.')}, got {state.dtype}")
     if state.device != param.device:
         raise ValueError(f"fusedoff: {what}[{index}] is on {state.device} but its parameter is on {param.device}")
     if not state.is_contiguous():
         raise ValueError(f"fusedoff: {what}[{index}] must be contiguous")
-    if state.numel() != param.numel():
+    if numel is None and state.numel() != param.numel():
         raise ValueError(
             f"fusedoff: {what}[{index}] has {state.numel()} elements but its parameter has {param.numel()}"
         )
+    if numel is not None and state.numel() != numel:
+        raise ValueError(f"fusedoff: {what}[{index}] has {state.numel()} elements, expected {numel}")
 
 
 def check_scalar(t: Tensor | None, device: torch.device, what: str) -> None:
