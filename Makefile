@@ -12,15 +12,16 @@ OLDEST_SUITE := build/oldest-suite
 # The `test` extra's requirements, read from the installed fusedoff's own metadata.
 TEST_EXTRA = $$($(OLDEST)/bin/python -c 'from importlib.metadata import requires; \
 	print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"test\"" in r))')
-SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu')
+SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh')
 
 .PHONY: demo test test-oldest install bench clean
 
 demo: $(STAMP)
 	$(BIN)/python -m fusedoff.demo $(ARGS)
 
+# FUSEDOFF_REQUIRE_EMULATION=1: the `emulated` tests fail, never skip, if fusedoff._C_emulated is missing.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	FUSEDOFF_REQUIRE_EMULATION=1 $(BIN)/python -m pytest $(ARGS)
 
 install: $(STAMP)
 
@@ -30,7 +31,8 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet -c constraints.txt torch setuptools ninja
 
 $(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integrations.txt
-	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip install --no-build-isolation -c constraints.txt -e ".[test,demo]"
+	# FUSEDOFF_CUDA_EMULATION=1: also the tests' emulated CUDA kernels, fusedoff._C_emulated (see fusedoff/_build.py)
+	MAX_JOBS=$${MAX_JOBS:-2} FUSEDOFF_CUDA_EMULATION=1 $(BIN)/pip install --no-build-isolation -c constraints.txt -e ".[test,demo]"
 	# test-only: the training libraries of tests/test_integrations.py and coverage (never run-time deps)
 	$(BIN)/pip install --quiet -c constraints.txt -r requirements-test-integrations.txt coverage
 	touch $@
@@ -44,8 +46,9 @@ test-oldest: $(STAMP) $(OLDEST)/bin/python
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
 	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml $(OLDEST_SUITE)/
 	# (the training-library integrations run on the pinned torch only: their versions follow it)
+	# (the emulated CUDA kernels are make test's: they do not depend on torch's version)
 	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
-		--ignore=tests/test_integrations.py $(ARGS)
+		--ignore=tests/test_integrations.py -m "not emulated" $(ARGS)
 
 $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)

@@ -32,16 +32,33 @@ Extension = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExten
 print(f"fusedoff: building {build.EXTENSION_NAME} with{'' if with_cuda else 'out'} CUDA"
       + (f" (toolkit {cuda_home}, arch {__import__('os').environ['TORCH_CUDA_ARCH_LIST']})" if with_cuda else ""))
 
+
+def _relative(paths):
+    return [str(Path(s).relative_to(Path(__file__).resolve().parent)) for s in paths]
+
+
+ext_modules = [
+    Extension(
+        name=build.EXTENSION_NAME,
+        sources=_relative(build.sources(with_cuda)),
+        include_dirs=build.include_dirs(),
+        extra_compile_args=build.compile_args(with_cuda),
+        extra_link_args=build.link_args(),
+    )
+]
+if build.emulation_requested():  # the tests' emulated CUDA kernels (FUSEDOFF_CUDA_EMULATION=1; never in wheels)
+    print(f"fusedoff: building {build.EMULATED_EXTENSION_NAME} (the CUDA kernels on the host, for the tests)")
+    ext_modules.append(
+        cpp_extension.CppExtension(
+            name=build.EMULATED_EXTENSION_NAME,
+            sources=_relative([*build.emulation_kernel_sources(), build.emulation_runtime_source()]),
+            include_dirs=build.emulation_include_dirs(),
+            extra_compile_args={"cxx": build.emulation_compile_args()},
+        )
+    )
+
 setup(
     packages=find_packages(include=["fusedoff", "fusedoff.*"]),
-    ext_modules=[
-        Extension(
-            name=build.EXTENSION_NAME,
-            sources=[str(Path(s).relative_to(Path(__file__).resolve().parent)) for s in build.sources(with_cuda)],
-            include_dirs=build.include_dirs(),
-            extra_compile_args=build.compile_args(with_cuda),
-            extra_link_args=build.link_args(),
-        )
-    ],
+    ext_modules=ext_modules,
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

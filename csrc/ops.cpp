@@ -1,5 +1,10 @@
 // The one file that sees at::Tensor: schemas, argument checks, device guards, and the translation
 // of tensors into the plain AdamLaunch that the ATen-free kernels take.
+//
+// Compiled twice: for fusedoff._C (the host kernels, and the CUDA kernels with FUSEDOFF_WITH_CUDA),
+// and, with FUSEDOFF_CUDA_EMULATION, for the test build fusedoff._C_emulated: the CUDA kernels
+// compiled as host C++ (csrc/emulation), registered as torch.ops.fusedoff_emulated for CPU tensors,
+// behind the same checks and launch descriptions.
 #include <torch/extension.h>
 
 #include <string>
@@ -7,7 +12,13 @@
 
 #include "fusedoff/launchers.h"
 
-#if defined(FUSEDOFF_WITH_CUDA)
+#if defined(FUSEDOFF_CUDA_EMULATION)
+#include "emulation_control.h"
+#else
+#define FUSEDOFF_WITH_HOST_KERNELS 1
+#endif
+
+#if defined(FUSEDOFF_WITH_CUDA) && !defined(FUSEDOFF_CUDA_EMULATION)
 // CUDAStream.h rather than ATen/cuda/CUDAContext.h: the latter pulls in cuBLAS/cuSPARSE headers,
 // which a minimal toolkit (ours in CI) does not have.
 #include <c10/cuda/CUDAGuard.h>
@@ -92,6 +103,7 @@ void attach_tensors(Launch& launch, const std::vector<Ptrs>& ptrs, const std::op
   launch.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
 }
 
+#if defined(FUSEDOFF_WITH_HOST_KERNELS)
 // Runs a checked launch on the host kernels, with ATen's thread count.
 template <typename Launch>
 void run_on_cpu(Launch& launch, at::TensorList params, void (*kernel)(const Launch&)) {
@@ -100,14 +112,22 @@ void run_on_cpu(Launch& launch, at::TensorList params, void (*kernel)(const Laun
   launch.num_threads = at::get_num_threads();
   kernel(launch);
 }
+#endif
 
 #if defined(FUSEDOFF_WITH_CUDA)
-// Runs a checked launch on the parameters' device, on its current stream.
+// Runs a checked launch on the parameters' device, on its current stream; emulated, on CPU tensors,
+// each launch finished before the next (there is one queue).
 template <typename Launch, typename Kernel>
 void run_on_cuda(Launch& launch, at::TensorList params, Kernel&& kernel) {
   if (launch.num_tensors == 0) return;
+#if defined(FUSEDOFF_CUDA_EMULATION)
+  TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the emulated CUDA kernels take CPU tensors, got ",
+              params[0].device());
+  launch.stream = nullptr;
+#else
   const c10::cuda::CUDAGuard device_guard(params[0].device());
   launch.stream = c10::cuda::getCurrentCUDAStream().stream();
+#endif
   kernel(launch);
 }
 #endif
@@ -170,11 +190,13 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
   params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, lr, beta1, beta2, eps,          \
       weight_decay, decoupled_weight_decay, amsgrad, maximize, grad_scale, found_inf
 
+#if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void adam_step_cpu_op(FUSEDOFF_ADAM_ARGS) {
   std::vector<AdamTensorPtrs> ptrs;
   AdamLaunch launch = describe_adam_call(FUSEDOFF_ADAM_FORWARD, ptrs);
   run_on_cpu(launch, params, &adam_step_cpu);
 }
+#endif
 
 #if defined(FUSEDOFF_WITH_CUDA)
 void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
@@ -262,11 +284,13 @@ CompressedAdamLaunch describe_compressed_adam_call(
   params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps, offsets,    \
       tensor_keys, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, found_inf
 
+#if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void adam_compressed_step_cpu_op(FUSEDOFF_COMPRESSED_ADAM_ARGS) {
   std::vector<CompressedAdamTensorPtrs> ptrs;
   CompressedAdamLaunch launch = describe_compressed_adam_call(FUSEDOFF_COMPRESSED_ADAM_FORWARD, ptrs);
   run_on_cpu(launch, params, &adam_compressed_step_cpu);
 }
+#endif
 
 #if defined(FUSEDOFF_WITH_CUDA)
 void adam_compressed_step_cuda_op(FUSEDOFF_COMPRESSED_ADAM_ARGS) {
@@ -370,11 +394,13 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
   params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, phase, lr, \
       base_lr, init_lr, warmup, beta, eps, weight_decay, rebound, weight_decay_type, grad_scale, found_inf
 
+#if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void apollo_step_cpu_op(FUSEDOFF_APOLLO_ARGS) {
   std::vector<ApolloTensorPtrs> ptrs;
   ApolloLaunch launch = describe_apollo_call(FUSEDOFF_APOLLO_FORWARD, ptrs);
   run_on_cpu(launch, params, &apollo_step_cpu);
 }
+#endif
 
 #if defined(FUSEDOFF_WITH_CUDA)
 void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
@@ -390,10 +416,8 @@ void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
 }
 #endif
 
-}  // namespace
-}  // namespace fusedoff
-
-TORCH_LIBRARY(fusedoff, m) {
+// The schemas, the same for fusedoff._C and the emulated build.
+void define_fused_ops(torch::Library& m) {
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, float lr, float beta1, "
@@ -416,6 +440,36 @@ TORCH_LIBRARY(fusedoff, m) {
       "str rebound, str weight_decay_type, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 }
 
+#if defined(FUSEDOFF_WITH_CUDA)
+void register_device_kernels(torch::Library& m) {
+  m.impl("adam_step_", &adam_step_cuda_op);
+  m.impl("adam_compressed_step_", &adam_compressed_step_cuda_op);
+  m.impl("apollo_step_", &apollo_step_cuda_op);
+}
+#endif
+
+}  // namespace
+}  // namespace fusedoff
+
+#if defined(FUSEDOFF_CUDA_EMULATION)
+// The device kernels on CPU tensors, under a namespace of their own beside torch.ops.fusedoff.
+TORCH_LIBRARY(fusedoff_emulated, m) { fusedoff::define_fused_ops(m); }
+TORCH_LIBRARY_IMPL(fusedoff_emulated, CPU, m) { fusedoff::register_device_kernels(m); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fusedoff's CUDA kernels run on the host by the CUDA emulation (tests only); the ops are "
+            "registered under torch.ops.fusedoff_emulated";
+  m.attr("torch_version") = std::string(TORCH_VERSION);
+  m.def("set_schedule_seed", &fusedoff::emulation::set_schedule_seed,
+        "order the blocks, and the threads between barriers, by this seed (0: index order)");
+  m.def("launches", &fusedoff::emulation::launch_count, "kernel launches run so far (failed ones included)");
+  m.def("selftest_names", &fusedoff::emulation_selftest::selftest_names);
+  m.def("selftest", &fusedoff::emulation_selftest::selftest,
+        "run one of the emulator's self-test kernels: (outputs, the launch's error message or '')");
+}
+#else
+TORCH_LIBRARY(fusedoff, m) { fusedoff::define_fused_ops(m); }
+
 TORCH_LIBRARY_IMPL(fusedoff, CPU, m) {
   m.impl("adam_step_", &fusedoff::adam_step_cpu_op);
   m.impl("adam_compressed_step_", &fusedoff::adam_compressed_step_cpu_op);
@@ -423,11 +477,7 @@ TORCH_LIBRARY_IMPL(fusedoff, CPU, m) {
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)
-TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) {
-  m.impl("adam_step_", &fusedoff::adam_step_cuda_op);
-  m.impl("adam_compressed_step_", &fusedoff::adam_compressed_step_cuda_op);
-  m.impl("apollo_step_", &fusedoff::apollo_step_cuda_op);
-}
+TORCH_LIBRARY_IMPL(fusedoff, CUDA, m) { fusedoff::register_device_kernels(m); }
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -440,3 +490,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("cpu_isa", &fusedoff::cpu_isa_name, "instruction set the host kernels dispatch to on this CPU");
 }
+#endif

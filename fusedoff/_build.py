@@ -7,6 +7,8 @@ Environment switches:
   FUSEDOFF_CUDA=0|1|auto      force the CUDA sources off / on (on: fail if no toolkit); default auto
   TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0" (Ampere and Hopper)
   MAX_JOBS                    parallel compile jobs (read by torch.utils.cpp_extension)
+  FUSEDOFF_CUDA_EMULATION=1   also build the test module fusedoff._C_emulated: the CUDA kernels
+                              compiled as host C++ behind csrc/emulation (never in user wheels)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"
 EXTENSION_NAME = "fusedoff._C"
+EMULATED_EXTENSION_NAME = "fusedoff._C_emulated"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC_DIR = _PACKAGE_DIR.parent / "csrc"
@@ -104,18 +107,89 @@ def sources(with_cuda: bool) -> list[str]:
     return [str(f) for f in files]
 
 
+# [note: one rounding everywhere] Every backend rounds each operation of the math headers as
+# written: no multiply-add is fused into an FMA (GCC fuses them in C++ wherever the instruction set
+# has one, as in the AVX2/AVX-512 host kernels, and nvcc everywhere), so the host kernels, the CUDA
+# kernels and their host emulation (the `emulated` tests hold them equal bit for bit) give the same
+# bits. The kernels are memory-bound: an FMA saves no time there.
+FP_CONTRACT_OFF = ["-ffp-contract=off"]
+
+
 def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     # -fno-math-errno lets sqrtf vectorise; -fno-trapping-math lets the compiler compute both sides
     # of a float select (the 8-bit codes' normal/subnormal paths), without which those loops stay
     # scalar (3x slower); neither changes a result. No -ffast-math (it would change results) and no
     # -march=native (the prebuilt extension must run on any CPU: the kernel picks its ISA at run time).
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF]
     defines = ["-DFUSEDOFF_WITH_CUDA"] if with_cuda else []
     args = {"cxx": cxx + defines}
     if with_cuda:
-        # No --use_fast_math: it flushes subnormals and approximates sqrt/div, breaking parity.
-        args["nvcc"] = ["-O3", "-lineinfo", *defines]
+        # No --use_fast_math: it flushes subnormals and approximates sqrt/div, breaking parity;
+        # --fmad=false: see [note: one rounding everywhere].
+        args["nvcc"] = ["-O3", "-lineinfo", "--fmad=false", *defines]
     return args
+
+
+# ---- the emulated CUDA kernels (tests only) ------------------------------------------------------
+
+EMULATION_DIR = CSRC_DIR / "emulation"
+SANITIZERS = ("thread", "address")  # ThreadSanitizer; AddressSanitizer with UBSan
+
+
+def emulation_requested() -> bool:
+    """Whether setup.py also builds fusedoff._C_emulated (FUSEDOFF_CUDA_EMULATION=1)."""
+    return os.environ.get("FUSEDOFF_CUDA_EMULATION", "0").strip().lower() in ("1", "on", "true", "yes")
+
+
+def emulation_kernel_sources() -> list[str]:
+    """ops.cpp, the device kernels compiled as host C++ (csrc/emulation/*_emulated.cpp) and the
+    emulator's self-test kernels."""
+    return [str(CSRC_DIR / "ops.cpp"), *(str(f) for f in sorted(EMULATION_DIR.glob("*_emulated.cpp"))),
+            str(EMULATION_DIR / "emulator_selftest.cpp")]
+
+
+def emulation_runtime_source() -> str:
+    """The emulator itself (grids, fibers, barriers, shuffles)."""
+    return str(EMULATION_DIR / "emulator.cpp")
+
+
+def emulation_include_dirs() -> list[str]:
+    # csrc/emulation first: its cuda_runtime.h stands in for the toolkit's.
+    return [str(EMULATION_DIR), *include_dirs()]
+
+
+def emulation_compile_args(sanitizer: str | None = None) -> list[str]:
+    """Flags for the emulated kernels; with `sanitizer` ('thread' or 'address') instrumented by it.
+
+    The same flags as the host kernels where they touch results, so the emulated CUDA kernels give
+    the host kernels' bits. Sanitized builds keep frame pointers for readable reports and stop at the
+    first error (UBSan would otherwise print and go on).
+    """
+    args = ["-O2", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-DFUSEDOFF_WITH_CUDA",
+            "-DFUSEDOFF_CUDA_EMULATION"]
+    if sanitizer == "thread":
+        args += ["-fsanitize=thread", "-fno-omit-frame-pointer", "-g"]
+    elif sanitizer == "address":
+        args += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+    elif sanitizer is not None:
+        raise ValueError(f"sanitizer must be one of {SANITIZERS} or None, got {sanitizer!r}")
+    return args
+
+
+def emulation_runtime_compile_args(sanitizer: str | None = None) -> list[str]:
+    """Flags for emulator.cpp: under ThreadSanitizer it is not instrumented itself but announces
+    its fibers and the emulated hardware's orderings to TSan ([note: CUDA emulation])."""
+    if sanitizer == "thread":
+        return ["-O2", "-g", "-DFUSEDOFF_EMULATION_TSAN"]
+    return emulation_compile_args(sanitizer)
+
+
+def emulation_link_args(sanitizer: str | None = None) -> list[str]:
+    if sanitizer == "thread":
+        return ["-fsanitize=thread"]
+    if sanitizer == "address":
+        return ["-fsanitize=address,undefined"]
+    return []
 
 
 def include_dirs() -> list[str]:

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from fusedoff import _ext
-from fusedoff.ops import BACKENDS
+from fusedoff.ops import BACKENDS, TEST_BACKENDS
 
 
 @functools.cache
@@ -30,8 +30,13 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         if device.type == "cpu":
             _warn_native_missing()
         return "torch"
-    if requested not in BACKENDS:
+    if requested not in BACKENDS + TEST_BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
+    if requested == "cuda_emulated":  # the tests' CUDA kernels on the host (csrc/emulation)
+        if device.type != "cpu":
+            raise ValueError(f"backend='cuda_emulated' runs the CUDA kernels on CPU tensors, not on {device}")
+        _ext.load_emulated_extension()
+        return requested
     if requested in ("cpu", "cuda"):
         if device.type != requested:
             raise ValueError(f"backend={requested!r} cannot update parameters on {device}")

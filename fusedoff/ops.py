@@ -4,6 +4,9 @@
 torch.library in csrc/ops.cpp); ``triton`` runs fusedoff/kernels/triton_adam.py; ``torch`` runs
 the pure-PyTorch reference. All take the same arguments and update their inputs in place. The native
 ops return nothing, so the fake kernels torch derives from their schemas trace them (opcheck passes).
+
+``cuda_emulated`` is for the tests: the CUDA kernels compiled as host C++ and run by the CUDA
+emulation (csrc/emulation) on CPU tensors, ``torch.ops.fusedoff_emulated`` (``_ext.load_emulated_extension``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from fusedoff._ext import load_extension
+from fusedoff._ext import load_emulated_extension, load_extension
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
+TEST_BACKENDS = ("cuda_emulated",)  # accepted everywhere a backend is, never chosen by 'auto'
 
 
 def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
@@ -62,8 +66,7 @@ def adam_step_(
     ``amsgrad``; ``master_params`` is empty or holds fp32 master weights, in which case the params
     receive the rounded master values. States are fp32; params and grads fp32, fp16 or bf16.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     if len(params) == 0:
         return  # nothing to update (and nothing for the dispatcher to pick a device from)
     tensors = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps)
@@ -79,10 +82,8 @@ def adam_step_(
         grad_scale=grad_scale,
         found_inf=found_inf,
     )
-    if backend in ("cpu", "cuda"):
-        _check_native_device(backend, params)
-        load_extension()
-        torch.ops.fusedoff.adam_step_(*(list(t) for t in tensors), **hyper)
+    if backend in _NATIVE:
+        _native_ops(backend, params).adam_step_(*(list(t) for t in tensors), **hyper)
     elif backend == "triton":
         from fusedoff.kernels import triton_adam
 
@@ -127,8 +128,7 @@ def adam_compressed_step_(
     of the block for 8-bit states), the origin of its blocks and of its random indices;
     ``tensor_keys`` the random stream's keys (``codec.tensor_key``). The rest is ``adam_step_``'s.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     if len(params) == 0:
         return
     tensors = (params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps)
@@ -136,10 +136,8 @@ def adam_compressed_step_(
                  weight_decay=float(weight_decay), decoupled_weight_decay=bool(decoupled_weight_decay),
                  maximize=bool(maximize), grad_scale=grad_scale, found_inf=found_inf)
     offsets, tensor_keys = [int(o) for o in offsets], [int(k) for k in tensor_keys]
-    if backend in ("cpu", "cuda"):
-        _check_native_device(backend, params)
-        load_extension()
-        torch.ops.fusedoff.adam_compressed_step_(*(list(t) for t in tensors), offsets, tensor_keys, **hyper)
+    if backend in _NATIVE:
+        _native_ops(backend, params).adam_compressed_step_(*(list(t) for t in tensors), offsets, tensor_keys, **hyper)
     elif backend == "triton":
         from fusedoff.kernels import triton_adam_compressed
 
@@ -186,8 +184,7 @@ def apollo_step_(
     then ``full`` applies the step; with ``weight_decay_type='stable'`` the apply is ``moments`` then
     ``finish``. ``total_numels`` are the whole tensors' sizes. ``apollo_whole_step_`` runs them all.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     if phase not in APOLLO_PHASES:
         raise ValueError(f"phase must be one of {APOLLO_PHASES}, got {phase!r}")
     if len(params) == 0:
@@ -208,10 +205,8 @@ def apollo_step_(
         found_inf=found_inf,
     )
     numels = [int(n) for n in total_numels]
-    if backend in ("cpu", "cuda"):
-        _check_native_device(backend, params)
-        load_extension()
-        torch.ops.fusedoff.apollo_step_(*(list(t) for t in tensors), numels, **hyper)
+    if backend in _NATIVE:
+        _native_ops(backend, params).apollo_step_(*(list(t) for t in tensors), numels, **hyper)
     elif backend == "triton":
         from fusedoff.kernels import triton_apollo
 
@@ -248,7 +243,22 @@ def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, m
             after_phase(stats, phase)
 
 
-def _check_native_device(backend: str, params: Sequence[Tensor]) -> None:
+_NATIVE = ("cpu", "cuda", "cuda_emulated")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS + TEST_BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _native_ops(backend: str, params: Sequence[Tensor]):
+    """The op namespace of a native backend, its module loaded, once the parameters' device is checked."""
+    device_type = "cpu" if backend == "cuda_emulated" else backend
     for p in params:
-        if p.device.type != backend:
-            raise ValueError(f"backend={backend!r} needs {backend} tensors, got a parameter on {p.device}")
+        if p.device.type != device_type:
+            raise ValueError(f"backend={backend!r} needs {device_type} tensors, got a parameter on {p.device}")
+    if backend == "cuda_emulated":
+        load_emulated_extension()
+        return torch.ops.fusedoff_emulated
+    load_extension()
+    return torch.ops.fusedoff

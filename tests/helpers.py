@@ -34,13 +34,16 @@ def sizes_across_cpu_blocks() -> tuple[tuple[int], ...]:
 
 
 def backend_params(backends=("cpu", "cuda", "torch")):
-    """pytest params for (backend, device): cuda ones carry the `cuda` marker (skipped without a GPU)."""
+    """pytest params for (backend, device): cuda ones carry the `cuda` marker (skipped without a GPU).
+    Wherever the CUDA kernels run, their host emulation runs too (`cuda_emulated` on CPU tensors,
+    marked `emulated`), so every check of them runs in CI."""
     out = []
     for backend in backends:
         if backend == "cpu":
             out.append(pytest.param("cpu", "cpu", id="cpu"))
         elif backend == "cuda":
             out.append(pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda))
+            out.append(pytest.param("cuda_emulated", "cpu", id="cuda_emulated", marks=pytest.mark.emulated))
         elif backend == "torch":
             out.append(pytest.param("torch", "cpu", id="torch-cpu"))
             out.append(pytest.param("torch", "cuda", id="torch-cuda", marks=pytest.mark.cuda))

@@ -21,6 +21,7 @@
 
 #include "fusedoff/adam.h"
 #include "fusedoff/launchers.h"
+#include "launch.cuh"
 #include "multi_tensor.cuh"
 
 namespace fusedoff {
@@ -143,8 +144,8 @@ void launch_compressed_chunks(const CompressedAdamLaunch& launch) {
   int64_t next_tensor = 0;
   while (const int64_t blocks = fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, no_vectors,
                                                  "adam_compressed_step_cuda")) {
-    adam_compressed_chunks_kernel<P, G, kMaster, kBlock8>
-        <<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(table);
+    launch_kernel(adam_compressed_chunks_kernel<P, G, kMaster, kBlock8>, static_cast<unsigned int>(blocks), kThreads,
+                  stream, table);
     check_launch("adam_compressed_step_cuda");
   }
 }

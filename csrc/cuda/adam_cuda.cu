@@ -20,6 +20,7 @@
 
 #include "fusedoff/adam.h"
 #include "fusedoff/launchers.h"
+#include "launch.cuh"
 #include "multi_tensor.cuh"
 
 namespace fusedoff {
@@ -162,7 +163,7 @@ void launch_adam_chunks(const AdamLaunch& launch) {
   int64_t next_tensor = 0;
   while (const int64_t blocks =
              fill_chunk_table(launch.tensors, launch.num_tensors, next_tensor, table, head_of, "adam_step_cuda")) {
-    adam_chunks_kernel<P, G, kAmsgrad, kMaster><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(table);
+    launch_kernel(adam_chunks_kernel<P, G, kAmsgrad, kMaster>, static_cast<unsigned int>(blocks), kThreads, stream, table);
     check_launch("adam_step_cuda");
   }
 }

@@ -41,6 +41,7 @@
 
 #include "fusedoff/apollo.h"
 #include "fusedoff/launchers.h"
+#include "launch.cuh"
 #include "multi_tensor.cuh"
 
 namespace fusedoff {
@@ -73,6 +74,13 @@ static_assert(sizeof(ApolloPartials) == 4 * sizeof(float) &&
                   offsetof(ApolloPartials, sum_bdd) == kSumBDD * sizeof(float) &&
                   offsetof(ApolloPartials, max_abs_y) == kMaxAbsY * sizeof(float),
               "ApolloPartials lists its sums in ApolloStat order");
+
+// Elements per thread and vector step: 8 whatever the dtypes (two 16-byte words of an fp32 array,
+// one of a 16-bit array; multi_tensor.cuh's kVectorElements would take 4 for fp32). Which thread
+// sums which element, and so how the sums round, then depends on the tensor's alignment only, not
+// on the dtypes: a GradScaler-scaled fp16 gradient gives the bits of its unscaled fp32 copy, as on
+// the host.
+constexpr int kApolloVectorElements = 8;
 
 // NOTE: not measured yet (written on a machine without a GPU). The combine reads 16 bytes per 16K
 // elements reduced; 256 threads keep a 2^31-element tensor's 131072 partials to 512 per thread.
@@ -272,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) apollo_chunks_kernel(const __grid_co
   if (block_constants.skip) return;  // AMP overflow: change nothing (uniform across the block)
   const BlockConstants b = block_constants;
 
-  constexpr int kVec = kVectorElements<P, G>;
+  constexpr int kVec = kApolloVectorElements;
   const ChunkPtrs<P, G> c = chunk_ptrs<P, G, kMaster>(tensor, work.begin);
   const int thread = static_cast<int>(threadIdx.x);
   // NOTE: each thread sums its elements in double: a sequential fp32 sum of near-equal values (sum D
@@ -406,11 +414,12 @@ void launch_apollo_chunks(const ApolloLaunch& launch) {
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   ApolloChunkTable table{};
   for_each_launch<P, G>(launch, kL2, table, [&](const ApolloChunkTable& t, int64_t blocks) {
-    apollo_chunks_kernel<P, G, kMaster, kPhase, kL2><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(t);
+    launch_kernel(apollo_chunks_kernel<P, G, kMaster, kPhase, kL2>, static_cast<unsigned int>(blocks), kThreads, stream,
+                  t);
     check_launch("apollo_step_cuda");
     if constexpr (kFields > 0) {
-      apollo_combine_kernel<kFirstPartialStat<kPhase>, kFields>
-          <<<static_cast<unsigned int>(t.num_tensors), kCombineThreads, 0, stream>>>(t);
+      launch_kernel(apollo_combine_kernel<kFirstPartialStat<kPhase>, kFields>, static_cast<unsigned int>(t.num_tensors),
+                    kCombineThreads, stream, t);
       check_launch("apollo_step_cuda");
     }
   });

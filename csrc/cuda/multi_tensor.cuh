@@ -30,6 +30,11 @@
 #include "fusedoff/dtypes.h"
 #include "fusedoff/macros.h"
 
+// A misaligned 16-byte access faults on a GPU; the host emulation (csrc/emulation) checks each one.
+#if !defined(FUSEDOFF_CHECK_VECTOR_ACCESS)
+#define FUSEDOFF_CHECK_VECTOR_ACCESS(address) ((void)0)
+#endif
+
 namespace fusedoff {
 namespace multi_tensor {
 
@@ -168,6 +173,7 @@ template <int N, typename T>
 __device__ __forceinline__ void load_vector(const T* src, float (&dst)[N]) {
   constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
   static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
+  FUSEDOFF_CHECK_VECTOR_ACCESS(src);
 #pragma unroll
   for (int w = 0; w < N / kPerWord; ++w) {
     const Word16<T> word = reinterpret_cast<const Word16<T>*>(src)[w];
@@ -180,6 +186,7 @@ template <int N, typename T>
 __device__ __forceinline__ void store_vector(T* dst, const float (&src)[N]) {
   constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
   static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
+  FUSEDOFF_CHECK_VECTOR_ACCESS(dst);
 #pragma unroll
   for (int w = 0; w < N / kPerWord; ++w) {
     Word16<T> word;

@@ -51,7 +51,7 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
                  chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None) -> None:
-        if backend not in ("auto", *ops.BACKENDS):
+        if backend not in ("auto", *ops.BACKENDS, *ops.TEST_BACKENDS):
             raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
