@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_step  # noqa: E402
+import gpu_image  # noqa: E402
 import peers  # noqa: E402
 import suite_build  # noqa: E402
 import suite_tests  # noqa: E402
@@ -203,3 +204,16 @@ def test_environment_report_runs_without_a_gpu():
     assert result.returncode == 0, result.stderr
     assert f"torch {torch.__version__}" in result.stdout
     assert "pinned memory: not probed (no CUDA device)" in result.stdout
+
+
+# ---- item 7: the GPU machine's own packages -----------------------------------------------------------------
+
+def test_the_image_packages_are_pinned_and_in_the_image():
+    pinned, image = gpu_image.read()
+    assert {"torch", "triton", "pytest", "numpy", "setuptools", "ninja"} <= set(pinned)
+    assert pinned["torch"] == "2.11.0" and pinned["triton"] == "3.6.0"
+    assert all(version for version in pinned.values()), pinned  # each one pinned
+    assert set(pinned) <= image
+    assert not {"expecttest", "deepspeed", "torchao", "bitsandbytes"} & image
+    present = {"torch": "2.11.0", "Py_CPUInfo": "9.0.0", "py-cpuinfo2": "10.1.1", "expecttest": "0.3.0"}
+    assert gpu_image.not_in_image(image, present) == ["expecttest 0.3.0", "py-cpuinfo2 10.1.1"]
