@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fusedoff import demo
+from tests.optional_packages import require
 
 TINY = ["--steps", "8", "--model-size", "32", "--context", "32", "--batch", "8", "--window", "4", "--timing-rounds", "3"]
 
@@ -82,7 +83,7 @@ def test_demo_apollo_against_the_reference(capsys):
 
 
 def test_demo_plot(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     path = tmp_path / "memory.png"
     status, out = run_demo(capsys, "--steps", "2", "--plot", str(path))
     assert status == 0, out

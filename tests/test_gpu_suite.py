@@ -4,6 +4,8 @@ that hangs cannot eat its stage, and a benchmark killed at any moment keeps ever
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +26,7 @@ import timing  # noqa: E402
 import traffic  # noqa: E402
 
 from fusedoff import _ext  # noqa: E402
+from tests.optional_packages import OPTIONAL  # noqa: E402
 
 
 # ---- item 1: one build, with a clean limit; later stages load it or nothing -------------------------------
@@ -217,3 +220,29 @@ def test_the_image_packages_are_pinned_and_in_the_image():
     assert not {"expecttest", "deepspeed", "torchao", "bitsandbytes"} & image
     present = {"torch": "2.11.0", "Py_CPUInfo": "9.0.0", "py-cpuinfo2": "10.1.1", "expecttest": "0.3.0"}
     assert gpu_image.not_in_image(image, present) == ["expecttest 0.3.0", "py-cpuinfo2 10.1.1"]
+
+
+def test_optional_packages_are_all_in_make_tests_venv():
+    """Where a test's package is missing it skips (tests/optional_packages.py): never in CI's venv."""
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip("not make test's venv (.venv)")
+    assert [p for p in OPTIONAL if importlib.util.find_spec(p) is None] == []
+
+
+def test_tests_needing_an_absent_package_skip_instead_of_failing_collection():
+    """The optional packages made absent in a pytest of their tests: each skips with its reason (the GPU
+    machine's image has no expecttest: tests/test_torch_conformance.py failed its collection there)."""
+    block = f"import sys; sys.modules.update(dict.fromkeys({sorted(OPTIONAL)!r}))"  # None: not installed
+    tests = ["tests/test_torch_conformance.py", "tests/test_integrations.py", "tests/test_demo.py::test_demo_plot",
+             "tests/test_memory.py::test_plot_writes_a_png"]
+    result = subprocess.run(
+        [sys.executable, "-c", f"{block}; import pytest; sys.exit(pytest.main({tests!r} + ['-q', '-rs', '-p', "
+         "'no:cacheprovider']))"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 skipped" in result.stdout.splitlines()[-1], result.stdout
+    # each at its test's line (the whole module, for the conformance tests); the Trainer's tests need
+    # accelerate too, and skip for it first
+    for module, package in (("test_torch_conformance", "expecttest"), ("test_integrations", "accelerate"),
+                            ("test_integrations", "lightning"), ("test_demo", "matplotlib"),
+                            ("test_memory", "matplotlib")):
+        assert re.search(rf"SKIPPED \[\d\] tests/{module}.py:\d+: needs {package}, for ", result.stdout), module

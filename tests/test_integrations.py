@@ -3,7 +3,8 @@ passed in, or a class and its arguments), accelerate and Lightning (bf16-mixed w
 clipping, and fp16-mixed with a GradScaler and clipping). Each resumes from a checkpoint and must
 end where the uninterrupted run ends, bit for bit: the optimizer states go through each library's
 own checkpoint files. The libraries are test dependencies (requirements-test-integrations.txt),
-imported inside the tests so that collecting the suite stays fast."""
+imported inside the tests so that collecting the suite stays fast; a test skips where its library is not
+installed (tests/optional_packages.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import fusedoff
+from tests.optional_packages import require
 
 STEPS, RESUME_AT, BATCH = 8, 4, 4
 
@@ -53,9 +55,10 @@ def assert_trained(model: nn.Module) -> None:
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), TinyModel().parameters()))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh_accelerate_state():
-    """Trainer and Accelerator keep process-wide state (AcceleratorState): each test starts clean."""
+    """Trainer and Accelerator keep process-wide state (AcceleratorState): each of their tests starts clean."""
+    require("accelerate")
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -84,7 +87,8 @@ def hf_trainer(tmp_path, how: str, max_steps: int):
 
 
 @pytest.mark.parametrize("how", ["optimizers", "optimizer_cls_and_kwargs"])
-def test_hugging_face_trainer_resumes_exactly(tmp_path, how):
+def test_hugging_face_trainer_resumes_exactly(tmp_path, how, fresh_accelerate_state):
+    require("transformers")
     whole = hf_trainer(tmp_path / "whole", how, STEPS)
     whole.train()
     opt = whole.optimizer.optimizer  # inside accelerate's AcceleratedOptimizer
@@ -125,7 +129,7 @@ def accelerate_run(steps: range, save_to=None, load_from=None) -> nn.Module:
     return accelerator.unwrap_model(model)
 
 
-def test_accelerate_bf16_with_clipping_resumes_exactly(tmp_path):
+def test_accelerate_bf16_with_clipping_resumes_exactly(tmp_path, fresh_accelerate_state):
     whole = accelerate_run(range(STEPS), save_to=tmp_path / "state")
     assert_trained(whole)
     resumed = accelerate_run(range(RESUME_AT, STEPS), load_from=tmp_path / "state")
@@ -176,6 +180,7 @@ def lightning_fit(tmp_path, precision: str, epochs: int, ckpt_path=None):
 def test_lightning_mixed_precision_with_gradient_clipping_resumes_exactly(tmp_path, precision):
     """Lightning refuses gradient_clip_val for an optimizer that says it unscales inside its step
     (torch's fused AdamW); fusedoff says so to GradScaler only, so both precisions clip."""
+    require("lightning")
     whole_trainer, whole = lightning_fit(tmp_path, precision, epochs=2)
     assert whole_trainer.global_step == STEPS
     assert_trained(whole.model)

@@ -10,6 +10,7 @@ import fusedoff
 from fusedoff import memory
 from fusedoff.demo import UpcastMixedPrecision
 from fusedoff.kernels.reference import ApolloReference
+from tests.optional_packages import require
 
 # Odd sizes: a 0-d tensor and lengths that are not multiples of the host store's 16-element alignment
 # (nor of the 256 elements of an 8-bit scale block).
@@ -320,7 +321,7 @@ def test_table_shows_every_component_and_the_remainder_of_each_phase():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     params = make_params(torch.float32)
     report = memory.MemoryReport("cpu")
     with report.phase("forward"):

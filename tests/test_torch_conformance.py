@@ -18,7 +18,9 @@ from torch.nn import Parameter
 import fusedoff
 from fusedoff.optim.validation import TORCH_FLAGS
 from tests.helpers import max_abs_error, ulp_atol
+from tests.optional_packages import require
 
+require("expecttest")  # the whole module skips without it (the GPU machine's image has none)
 _flags_were_frozen = torch.backends.flags_frozen()
 from torch.testing._internal import common_optimizers  # noqa: E402  (imported with torch's test utilities)
 
