@@ -35,7 +35,8 @@
 # benchmark runs its plumbing on the CPU at tiny sizes (bench_step.py --dry-run).
 #
 #   bash benchmarks/gpu_suite.sh OUTDIR              (or OUT=OUTDIR bash benchmarks/gpu_suite.sh)
-#   bash benchmarks/gpu_suite.sh --rehearse OUTDIR   every stage on a machine without a GPU, with the
+#   bash benchmarks/gpu_suite.sh --rehearse OUTDIR   every stage on a machine without a GPU, in the GPU
+#                                                    image's package set (gpu_image_packages.txt), with the
 #                                                    failures it must survive forced (rehearse_gpu_suite.sh)
 #
 # OUTDIR holds at most 8 files at the end (what the device tool brings back): suite.log, stages.tsv,

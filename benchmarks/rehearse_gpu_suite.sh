@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The GPU suite's rehearsal on a machine without a GPU (CI runs it, so that the suite cannot rot between
 # the rare GPU runs): gpu_suite.sh runs for real, every stage, in a copy of this working tree (no prebuilt
-# extension, like the fresh copy a GPU machine gets), and the failures the GPU run must survive are forced.
+# extension, like the fresh copy a GPU machine gets), with the GPU machine's own package set, and the
+# failures the GPU run must survive are forced.
+#
+# The GPU machine's image is fixed (no internet): torch 2.11.0, triton 3.6.0, Python 3.12, no expecttest,
+# deepspeed, torchao or bitsandbytes. benchmarks/gpu_image_packages.txt lists what of it the suite uses and
+# every distribution the image holds; every check here runs with the python of a venv (.venv-gpu-image,
+# made from that file with Python 3.12 where there is one, and kept while the file is unchanged) that
+# holds those packages and nothing else, so a package the suite needs and the image lacks fails here.
 #
 #   check (in order) what it shows
+#   image-packages the venv holds the file's versions and no distribution the image lacks (gpu_image.py)
 #   build-timeout  a JIT build stopped at its limit in mid-compile (--limit-s 3 counted from the compile)
 #                  leaves no lock, no module and no compiler behind; then, beside a stale lock planted
 #                  where torch <= 2.11 would wait on it for ever, a load with FUSEDOFF_NO_JIT=1 reports
@@ -12,6 +20,8 @@
 #                  (C++ only: nvcc on 2 cores would not fit) into a fresh dir; tests-streams, tests,
 #                  triton: the cuda tests skip here, and cuda-tests.log lists the order they would run in;
 #                  bench: the dry run, a CSV row per contender; report; the verdict
+#   test-collection each test stage collected its tests (pytest's exit 2, a collection error, or "no tests"
+#                  fail it), and which modules skipped for a package the image lacks
 #   test-order     that order: test_offload, test_optimizer_state, test_memory before any other cuda test
 #   verdict        the suite printed its stages and the targets table
 #   test-timeouts  under suite_tests.py: a test past --test-timeout fails and the run goes on; a test stuck
@@ -23,7 +33,9 @@
 #
 #   bash benchmarks/gpu_suite.sh --rehearse OUTDIR     (default $TMPDIR/fusedoff_gpu_suite_rehearsal)
 #
-# PYTHON: a python with torch (default .venv/bin/python when there is one, else python3); MAX_JOBS (2).
+# PYTHON: run with this python instead (not the image's package set: image-packages says what differs);
+# GPU_IMAGE_VENV (.venv-gpu-image); GPU_IMAGE_BASE_PYTHON (python3.12, else pyenv's 3.12, else python3): what
+# makes that venv; MAX_JOBS (2).
 # Exit status 1 if any check fails. It prints each check, then a table, and the time it took.
 set -uo pipefail
 {  # read whole before it runs: an edit to this file during a rehearsal cannot change the rehearsal
@@ -31,8 +43,55 @@ cd "$(dirname "$0")/.."
 out=${1:-${OUT:-${TMPDIR:-/tmp}/fusedoff_gpu_suite_rehearsal}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 rm -rf "$out/suite"
-if [ -n "${PYTHON:-}" ]; then py=$PYTHON; elif [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python; else py=python3; fi
 t0=$(date +%s)
+: > "$out/checks.tsv"
+check() {  # check NAME PASS(0/1/2: not run) DETAIL
+  local verdict=PASS
+  [ "$2" = 0 ] || verdict=FAIL
+  [ "$2" = 2 ] && verdict=SKIP
+  printf '%s\t%s\t%s\n' "$1" "$verdict" "$3" >> "$out/checks.tsv"
+  echo "[$verdict] $1: $3"
+}
+
+# ---- the GPU image's packages, in a venv of their own ----------------------------------------------------
+packages=benchmarks/gpu_image_packages.txt
+venv_s=0
+made=0
+if [ -n "${PYTHON:-}" ]; then
+  py=$PYTHON
+else
+  venv=${GPU_IMAGE_VENV:-$PWD/.venv-gpu-image}
+  base=${GPU_IMAGE_BASE_PYTHON:-}
+  if [ -z "$base" ]; then  # the image's Python is 3.12: a pyenv shim of a version not selected does not run
+    for base in python3.12 "$(pyenv root 2> /dev/null)"/versions/3.12*/bin/python3.12 python3; do
+      "$base" -c "" 2> /dev/null && break
+    done
+  fi
+  # made again when the file, the constraints or the base python change
+  wanted=$(cat "$packages" constraints-oldest.txt; "$base" --version 2>&1)
+  if [ "$(cat "$venv/.gpu-image-packages" 2> /dev/null)" != "$wanted" ]; then
+    start=$(date +%s)
+    echo "== making $venv with $("$base" --version 2>&1) from $packages"
+    [ ! -e "$venv" ] || [ -f "$venv/pyvenv.cfg" ] || { echo "$venv is not a venv: not replaced"; exit 1; }
+    rm -rf "$venv"
+    "$base" -m venv "$venv" > "$out/image-venv.log" 2>&1 &&
+      "$venv/bin/pip" install --quiet -c constraints-oldest.txt -r "$packages" >> "$out/image-venv.log" 2>&1 &&
+      echo "$wanted" > "$venv/.gpu-image-packages"
+    made=$?
+    venv_s=$(( $(date +%s) - start ))
+  fi
+  py=$venv/bin/python
+fi
+"$py" benchmarks/gpu_image.py > "$out/image-packages.log" 2>&1
+rc=$?
+found=$(tr '\n' ' ' < "$out/image-packages.log" | cut -c1-700)
+if [ "$made" != 0 ]; then
+  check image-packages 1 "making the venv failed (image-venv.log): $(grep -v "is ignored" "$out/image-venv.log" | tail -n 3 | tr '\n' ' ')"
+elif [ -n "${PYTHON:-}" ]; then
+  check image-packages 2 "PYTHON=$py given, not the image's package set: $found"
+else
+  check image-packages "$rc" "$venv $( ((venv_s)) && echo "made in $venv_s s" || echo "as made before"); $found"
+fi
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/fusedoff_rehearsal.XXXXXX")
 bench_pid=
 cleanup() { [ -n "$bench_pid" ] && kill -9 "$bench_pid" 2> /dev/null; rm -rf "$scratch"; }
@@ -45,13 +104,6 @@ git ls-files -z -co --exclude-standard | tar --null -T - --ignore-failed-read -c
 export PYTHON=$py FUSEDOFF_NO_PREBUILT=1 FUSEDOFF_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} PYTHONUNBUFFERED=1 \
   TORCH_EXTENSIONS_DIR=$scratch/ext-unused
 unset FUSEDOFF_NO_JIT
-: > "$out/checks.tsv"
-check() {  # check NAME PASS(0/1) DETAIL
-  local verdict=PASS
-  [ "$2" = 0 ] || verdict=FAIL
-  printf '%s\t%s\t%s\n' "$1" "$verdict" "$3" >> "$out/checks.tsv"
-  echo "[$verdict] $1: $3"
-}
 echo "== rehearsal of the GPU suite in $repo ($(date -u +%FT%TZ), $(nproc) CPUs, MAX_JOBS=$MAX_JOBS)"
 
 # ---- build-timeout ------------------------------------------------------------------------------------
@@ -91,6 +143,24 @@ rc=$?
 stages=$(cut -f1,2 "$out/suite/stages.tsv" | tr '\t\n' '= ' )
 check suite "$rc" "gpu_suite.sh exit $rc in $(( $(date +%s) - start )) s; stages (exit status): $stages"
 echo "    $(grep "^build\s" "$out/suite/stages.tsv" | cut -f5) (the stage: $(grep "^build\s" "$out/suite/stages.tsv" | cut -f3) s)"
+# test-collection: each stage's pytest ran every test the listing gave it (here they all skip), and nothing
+# failed to collect; a module that skips whole for a package the image lacks is named
+log=$out/suite/cuda-tests.log
+ok=0
+ran=
+for group in streams kernels triton; do
+  listed=$(sed -n "s/^== $group: \([0-9]*\) tests, in this order:$/\1/p" "$log" | head -n 1)
+  line=$(grep -E "^$group: .*; exit [0-9]+$" "$log" | tail -n 1)
+  counts=${line#"$group": }
+  total=$(echo "${counts%; exit *}" | awk -F', ' '{ for (i = 1; i <= NF; i++) { split($i, w, " "); if (w[1] ~ /^[0-9]+$/) s += w[1] } } END { print s + 0 }')
+  if [ -n "$line" ]; then ran="$ran$group: ${listed:-?} listed, ${counts%; exit *} (exit ${counts##*exit }); "
+  else ran="$ran$group: ${listed:-?} listed, not run; "; fi
+  [ "${listed:-0}" -gt 0 ] && [ "${total:-0}" = "$listed" ] && [[ "$line" == *"; exit 0" ]] || ok=1
+done
+errors=$(grep -c -E "^ERROR collecting|errors? during collection" "$log")
+[ "$errors" = 0 ] || ok=1
+skipped=$(sed -n "s/^  skipped \(tests\/[^:]*\): needs \([^,]*\),.*/\1 (\2)/p" "$log" | sort -u | tr '\n' ' ')
+check test-collection "$ok" "${ran}collection errors: $errors; modules skipped whole: ${skipped:-none}"
 order=$(grep -n "^  tests/" "$out/suite/cuda-tests.log" | head -n 400)
 first_other=$(echo "$order" | grep -v -E "tests/test_(offload|optimizer_state|memory)\.py" | head -n 1 | cut -d: -f1)
 last_stream=$(echo "$order" | grep -E "tests/test_(offload|optimizer_state|memory)\.py" | tail -n 1 | cut -d: -f1)
@@ -164,7 +234,7 @@ cp "$kill_dir/bench_step_dry.csv" "$out/bench-kill.csv" 2> /dev/null
 
 # ---- the table ------------------------------------------------------------------------------------------
 echo
-echo "== rehearsal: $(( $(date +%s) - t0 )) s =="
+echo "== rehearsal: $(( $(date +%s) - t0 )) s$( ((venv_s)) && echo ", $venv_s s of it making the venv") =="
 echo "| check | result | detail |"
 echo "|---|---|---|"
 sed 's/\t/ | /g; s/^/| /; s/$/ |/' "$out/checks.tsv"

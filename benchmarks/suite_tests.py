@@ -12,7 +12,8 @@ returns) ends the process after the grace, and the run starts again without that
 (at most --restarts times). Each hung test's stacks are printed into the log.
 
     python3 benchmarks/suite_tests.py streams [--timeout-s 60] [--deadline-s 100]
-    python3 benchmarks/suite_tests.py streams kernels triton --collect-only   # the order they would run in
+    python3 benchmarks/suite_tests.py streams kernels triton --collect-only   # the order they would run in,
+                                                                              # and modules skipped whole
     python3 benchmarks/suite_tests.py --paths tests/test_x.py --timeout-s 2   # any files, no marker
 
 Exit status: 0 when every test passed or skipped, 1 when one failed, timed out or hung.
@@ -117,6 +118,12 @@ def collect(groups: list[str]) -> int:
 
     class Collected:
         items: list = []
+        skipped: list = []  # (module, reason): modules that skip whole, e.g. for a package not installed
+
+        def pytest_collectreport(self, report):
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                Collected.skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
 
         def pytest_collection_finish(self, session):
             Collected.items = [(item.nodeid, "triton" in item.keywords) for item in session.items]
@@ -142,6 +149,8 @@ def collect(groups: list[str]) -> int:
                       if is_triton == triton and place(nodeid) is not None), key=place)
         print(f"== {group}: {len(ids)} tests, in this order:")
         print("\n".join(f"  {i}" for i in ids), flush=True)
+    print(f"== modules skipped whole at collection: {len(Collected.skipped)}")
+    print("\n".join(f"  skipped {module}: {reason}" for module, reason in Collected.skipped), flush=True)
     return 0 if status in (0, 5) else int(status)
 
 

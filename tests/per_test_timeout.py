@@ -12,8 +12,8 @@ loads it elsewhere.
                            names the test the process died in, and benchmarks/suite_tests.py runs
                            pytest again without it and the tests done.
 
-pytest-timeout (on the GPU machine's package list) is not used: this repository's CI and rehearsal
-(bash benchmarks/gpu_suite.sh --rehearse) run without it, and must run what the GPU run relies on.
+pytest-timeout is not used: it is on the GPU machine's image (and so in the rehearsal's venv, see
+benchmarks/gpu_image_packages.txt), but not in make test's venv, where this plugin's own tests run.
 """
 
 from __future__ import annotations
