@@ -145,14 +145,18 @@ def test_selftest_kernels_compute_what_a_gpu_would(emulator, schedule, name, exp
 OVERSIZED_BYTES = constant("emulation/emulator_selftest.cpp", r"char bytes\[(\d+)\];")
 PARAM_BYTES = (OVERSIZED_BYTES + 7) // 8 * 8 + 8  # the struct, then an int* at its 8-byte alignment
 
+# Each error's message starts with the CUDA runtime's text for its error code.
 ERRORS = {
-    "early_return": ["thread 5 returned while 31 threads wait at __syncthreads"],
-    "divergent_shuffle": ["can never go on", "names thread 16, which waits at __syncthreads"],
-    "shuffle_outside_mask": ["lane 15 reads lane 16, which the shuffle's mask does not name"],
-    "misaligned_vector": ["not 16-byte aligned"],
-    "oversized_parameter": [f"kernel parameters of {PARAM_BYTES} bytes, past the 4096-byte limit"],
-    "block_too_large": ["block (2048,1,1)", "past the device's limit"],
-    "empty_grid": ["grid (0,1,1)", "a dimension is 0"],
+    "early_return": ["unspecified launch failure", "thread 5 returned while 31 threads wait at __syncthreads"],
+    "divergent_shuffle": ["unspecified launch failure", "can never go on",
+                          "names thread 16, which waits at __syncthreads"],
+    "shuffle_outside_mask": ["unspecified launch failure",
+                             "lane 15 reads lane 16, which the shuffle's mask does not name"],
+    "misaligned_vector": ["misaligned address", "not 16-byte aligned"],
+    "oversized_parameter": ["invalid argument", f"kernel parameters of {PARAM_BYTES} bytes, past the 4096-byte limit"],
+    "block_too_large": ["invalid configuration argument", "block (2048,1,1)", "past the device's limit"],
+    "block_too_many_threads": ["invalid configuration argument", "a block of 2048 threads (at most 1024)"],
+    "empty_grid": ["invalid configuration argument", "grid (0,1,1)", "a dimension is 0"],
 }
 
 
@@ -167,7 +171,7 @@ def test_selftest_kernels_that_break_a_rule_fail_their_launch(emulator, name):
     before = emulator.launches()
     outputs, error = emulator.selftest(name)
     assert emulator.launches() - before == 1  # failed launches are counted too
-    assert error.startswith("fusedoff CUDA emulation: ")
+    assert error.startswith(f"fusedoff CUDA emulation: {ERRORS[name][0]}: "), error
     for part in ERRORS[name]:
         assert part in error, error
     assert set(outputs) == {-1}

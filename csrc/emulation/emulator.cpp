@@ -19,11 +19,13 @@
 //
 // Under ThreadSanitizer (FUSEDOFF_EMULATION_TSAN; this file is then compiled without
 // instrumentation, the kernels with it) every fiber is a TSan fiber switched to without
-// synchronisation, so TSan orders two threads' accesses only through what the emulated hardware
-// orders: a barrier or a shuffle (release on arrival, acquire on leaving), a launch's start (every
-// thread acquires what the host did before it) and its end (the host acquires every thread). Each
-// block runs on an OS thread of its own with fresh fiber stacks, so that blocks share neither
-// `__shared__` variables nor stack memory in TSan's eyes and a race between two blocks shows.
+// synchronisation, so TSan orders two threads of a block only through what the emulated hardware
+// orders: a barrier or a shuffle (release on arrival, acquire on leaving). Blocks are ordered one
+// after another for TSan (each thread of a block acquires what every thread of the blocks before it
+// released at its end, and the first block what the host did before the launch; the host acquires
+// every thread after it): blocks reuse one another's `__shared__` variables and fiber stacks here,
+// as TSan fibers are too costly to make afresh per block, so a race between two blocks of a grid
+// does not show under TSan. The seeded block order shows one that changes a result.
 // Under AddressSanitizer the fiber switches are announced to ASan and each stack is unpoisoned
 // before it is used again.
 #include "cuda_emulation.h"
@@ -40,7 +42,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -65,16 +66,12 @@ thread_local std::string message;
 
 }  // namespace
 
-cudaError_t cudaGetLastError() {
-  const cudaError_t error = last_error;
-  last_error = cudaSuccess;
-  return error;
-}
+namespace fusedoff {
+namespace emulation {
+namespace {
 
-cudaError_t cudaPeekAtLastError() { return last_error; }
-
-const char* cudaGetErrorString(cudaError_t error) {
-  if (error != cudaSuccess && error == message_error) return message.c_str();
+// The runtime's own text for each error.
+const char* standard_error_string(cudaError_t error) {
   switch (error) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
@@ -84,10 +81,6 @@ const char* cudaGetErrorString(cudaError_t error) {
   }
   return "unknown error";
 }
-
-namespace fusedoff {
-namespace emulation {
-namespace {
 
 #if defined(FUSEDOFF_EMULATION_ASAN) || defined(FUSEDOFF_EMULATION_TSAN)
 constexpr std::size_t kStackBytes = 512 * 1024;  // sanitized frames are larger
@@ -107,7 +100,7 @@ std::atomic<std::uint64_t> launches{0};
 void set_error(cudaError_t error, std::string text) {
   last_error = error;
   message_error = error;
-  message = "fusedoff CUDA emulation: " + std::move(text);
+  message = std::string("fusedoff CUDA emulation: ") + standard_error_string(error) + ": " + std::move(text);
 }
 
 // A fiber stack: mapped with an inaccessible guard page below it, so an overflow faults.
@@ -159,8 +152,7 @@ struct BlockRun {
   int current = -1;  // the fiber running, or -1 in the scheduler
   std::string fault;
   cudaError_t fault_error = cudaSuccess;
-  char* launch_token;                 // TSan: the host's work before the launch
-  char* done_token;                   // TSan: every thread's work, for the host after the launch
+  char* grid_token;                   // TSan: the host's work before the launch, then every finished thread's
   std::unique_ptr<char[]> sync_tokens;  // TSan: [0] this block's barrier, [1 + w] warp w
   void* scheduler_tsan_fiber = nullptr;
   const void* scheduler_stack_bottom = nullptr;  // ASan
@@ -170,6 +162,9 @@ struct BlockRun {
 
 thread_local BlockRun* active = nullptr;
 thread_local std::vector<std::unique_ptr<Stack>> stack_pool;
+#if defined(FUSEDOFF_EMULATION_TSAN)
+thread_local std::vector<void*> tsan_fiber_pool;  // fiber t of every block: one TSan fiber each
+#endif
 
 void tsan_release(void* token) {
 #if defined(FUSEDOFF_EMULATION_TSAN)
@@ -256,9 +251,9 @@ void fiber_main() {
 #if defined(FUSEDOFF_EMULATION_ASAN)
   __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_bottom, &run.scheduler_stack_size);
 #endif
-  tsan_acquire(run.launch_token);
+  tsan_acquire(run.grid_token);
   run.body(run.body_context);
-  tsan_release(run.done_token);
+  tsan_release(run.grid_token);
   fiber.state = ThreadState::Exited;
   switch_to_scheduler(run, fiber, true);
   __builtin_unreachable();
@@ -357,6 +352,9 @@ std::string deadlock_report(const BlockRun& run, int block_threads) {
 void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
   const dim3 block = blockDim;
   while (static_cast<int>(stack_pool.size()) < block_threads) stack_pool.push_back(std::make_unique<Stack>());
+#if defined(FUSEDOFF_EMULATION_TSAN)
+  while (static_cast<int>(tsan_fiber_pool.size()) < block_threads) tsan_fiber_pool.push_back(__tsan_create_fiber(0));
+#endif
   run.fibers.assign(static_cast<std::size_t>(block_threads), Fiber{});
   const int warps = (block_threads + 31) / 32;
   run.sync_tokens.reset(new char[1 + warps]);
@@ -375,7 +373,7 @@ void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_main, 0);
 #if defined(FUSEDOFF_EMULATION_TSAN)
-    f.tsan_fiber = __tsan_create_fiber(0);
+    f.tsan_fiber = tsan_fiber_pool[t];
 #endif
   }
   std::vector<int> order(static_cast<std::size_t>(block_threads));
@@ -415,9 +413,6 @@ void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
     run.fault = deadlock_report(run, block_threads);
     run.fault_error = cudaErrorLaunchFailure;
   }
-#if defined(FUSEDOFF_EMULATION_TSAN)
-  for (Fiber& f : run.fibers) __tsan_destroy_fiber(f.tsan_fiber);
-#endif
 }
 
 // Runs one block on the calling OS thread; returns its fault, if any.
@@ -475,9 +470,8 @@ void run_grid(const LaunchShape& shape, void (*thread_body)(void*), void* contex
   } else if (rng) {
     rotation = (*rng)() % blocks;
   }
-  char launch_token = 0;
-  char done_token = 0;
-  tsan_release(&launch_token);
+  char grid_token = 0;
+  tsan_release(&grid_token);
   const dim3 caller_grid = gridDim;
   const dim3 caller_block = blockDim;
   for (std::uint64_t i = 0; i < blocks; ++i) {
@@ -488,18 +482,10 @@ void run_grid(const LaunchShape& shape, void (*thread_body)(void*), void* contex
     BlockRun run;
     run.body = thread_body;
     run.body_context = context;
-    run.launch_token = &launch_token;
-    run.done_token = &done_token;
-    const auto go = [&] {
-      gridDim = shape.grid;
-      blockDim = shape.block;
-      run_block_here(run, block_index, static_cast<int>(threads), rng.get());
-    };
-#if defined(FUSEDOFF_EMULATION_TSAN)
-    std::thread(go).join();  // fresh TLS (__shared__) and fiber stacks for every block: see the note
-#else
-    go();
-#endif
+    run.grid_token = &grid_token;
+    gridDim = shape.grid;
+    blockDim = shape.block;
+    run_block_here(run, block_index, static_cast<int>(threads), rng.get());
     if (!run.fault.empty()) {
       set_error(run.fault_error, run.fault);
       break;
@@ -507,7 +493,7 @@ void run_grid(const LaunchShape& shape, void (*thread_body)(void*), void* contex
   }
   gridDim = caller_grid;
   blockDim = caller_block;
-  tsan_acquire(&done_token);
+  tsan_acquire(&grid_token);
 }
 
 void sync_threads() {
@@ -546,3 +532,16 @@ void check_vector_access(const void* address) {
 
 }  // namespace emulation
 }  // namespace fusedoff
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t error = last_error;
+  last_error = cudaSuccess;
+  return error;
+}
+
+cudaError_t cudaPeekAtLastError() { return last_error; }
+
+const char* cudaGetErrorString(cudaError_t error) {
+  if (error != cudaSuccess && error == message_error) return message.c_str();
+  return fusedoff::emulation::standard_error_string(error);
+}

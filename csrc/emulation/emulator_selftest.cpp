@@ -132,6 +132,9 @@ const std::map<std::string, std::function<Outcome()>>& cases() {
       {"block_too_large", [] {
          return run(1, [](int* out) { launch_kernel(noop_kernel, 1, 2048, nullptr, out); });
        }},
+      {"block_too_many_threads", [] {  // every dimension within its limit, 2048 threads in all
+         return run(1, [](int* out) { emulation::launch(noop_kernel, dim3(1), dim3(32, 32, 2), nullptr, out); });
+       }},
       {"empty_grid", [] { return run(1, [](int* out) { launch_kernel(noop_kernel, 0, 32, nullptr, out); }); }},
   };
   return table;
