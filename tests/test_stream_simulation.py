@@ -1,4 +1,5 @@
-"""The engine's device side, run in CI: real optimizer classes through the stream simulator.
+"""The engine's device side, run in CI: real optimizer classes through the stream simulator, launching
+the host kernels or the CUDA kernels on the host (backend 'cuda_emulated').
 
 Each case trains with the simulator standing in for a GPU (fusedoff/offload/simulator.py: queued
 side streams in a seeded random interleaving, copies landing late, a happens-before race checker)
@@ -148,18 +149,24 @@ PLACEMENTS = {
 }
 
 
+# The kernels the simulated streams launch: the host kernels, and the CUDA kernels themselves run
+# by the CUDA emulation (csrc/emulation), so that the whole device path but torch.cuda runs here.
+KERNELS = ["cpu", pytest.param("cuda_emulated", marks=pytest.mark.emulated)]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_simulated_device_equals_the_host_loopback(case, placement):
+def test_simulated_device_equals_the_host_loopback(case, placement, backend):
     cls, kwargs, dtype = CASES[case]
 
     def make(groups):
-        return cls(groups, **kwargs, **PLACEMENTS[placement], backend="cpu")
+        return cls(groups, **kwargs, **PLACEMENTS[placement], backend=backend)
 
     extras = dict(scaler_skip=1, clip_at=2, load_at=3, user_stream_at=4)
     want = train(make, dtype, **extras)
     if cls is not fusedoff.Apollo:  # elementwise: streaming changes nothing at all
-        resident = train(lambda groups: cls(groups, **kwargs, offload="none", backend="cpu"), dtype, **extras)
+        resident = train(lambda groups: cls(groups, **kwargs, offload="none", backend=backend), dtype, **extras)
         assert_equal_runs(want, resident)
     for seed in SEEDS:
         assert_equal_runs(simulated(seed, make, dtype, **extras), want)
