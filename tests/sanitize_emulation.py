@@ -47,7 +47,10 @@ OPTIONS = {
                 "UBSAN_OPTIONS": "halt_on_error=1 print_stacktrace=1 exitcode=66"},
 }
 REPORTS = {"thread": "WARNING: ThreadSanitizer: data race", "address": "ERROR: AddressSanitizer"}
-# The planted bugs: (file under csrc, the text, its replacement, the tests that run into it).
+# The planted bugs: (file under csrc, the text, its replacement, the tests that run into it). The
+# planted build compiles the kernel file's wrapper alone (PLANTED_SOURCE) and reuses the clean
+# build's other objects.
+PLANTED_SOURCE = "adam_cuda_emulated.cpp"
 PLANTED = {
     "thread": ("cuda/adam_cuda.cu",
                "  __syncthreads();\n  if (block_skips) return;  // AMP overflow: change nothing\n",
@@ -84,7 +87,7 @@ _BUILD_CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from fusedoff import _build
     from torch.utils import cpp_extension
-    sanitizer, csrc, out = sys.argv[2], sys.argv[3], sys.argv[4]
+    sanitizer, csrc, out, only, objects_from = sys.argv[2:7]
     _build.CSRC_DIR = __import__("pathlib").Path(csrc)
     _build.EMULATION_DIR = _build.CSRC_DIR / "emulation"
     sources = _build.emulation_kernel_sources()
@@ -97,6 +100,11 @@ _BUILD_CHILD = textwrap.dedent("""
         ldflags = [obj, *ldflags]
     else:
         sources.append(_build.emulation_runtime_source())
+    if only:  # compile that source alone; the others' objects come from the build in objects_from
+        keep = [s for s in sources if os.path.basename(s) == only]
+        reused = [os.path.join(objects_from, os.path.basename(s).rsplit(".", 1)[0] + ".o") for s in sources
+                  if s not in keep]
+        sources, ldflags = keep, [*reused, *ldflags]
     module = cpp_extension.load(name="_C_emulated", sources=sources, extra_include_paths=_build.emulation_include_dirs(),
                                 extra_cflags=_build.emulation_compile_args(sanitizer), extra_ldflags=ldflags,
                                 build_directory=out, verbose=False)
@@ -104,13 +112,15 @@ _BUILD_CHILD = textwrap.dedent("""
 """)
 
 
-def build(sanitizer: str, csrc: Path, out: Path, python: str) -> Path:
+def build(sanitizer: str, csrc: Path, out: Path, python: str, only: str = "", objects_from: Path | None = None) -> Path:
+    """Builds the module from `csrc` into `out`; with `only`, compiles that source alone and links
+    it with the other objects of the build in `objects_from`."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("_C_emulated*.so"):  # emulator.o is outside ninja's view: always relink
         stale.unlink()
     env = sanitized_env(sanitizer, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
-    proc = subprocess.run([python, "-c", _BUILD_CHILD, str(REPO), sanitizer, str(csrc), str(out)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([python, "-c", _BUILD_CHILD, str(REPO), sanitizer, str(csrc), str(out), only,
+                           str(objects_from or "")], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout + proc.stderr)
         raise SystemExit(f"sanitize_emulation: the {sanitizer} build failed (exit {proc.returncode})")
@@ -167,7 +177,8 @@ def main() -> int:
             continue
         start = time.perf_counter()
         planted = args.build_dir / f"{sanitizer}-planted"
-        module = build(sanitizer, planted_copy(sanitizer, planted), planted / "build", python)
+        module = build(sanitizer, planted_copy(sanitizer, planted), planted / "build", python, only=PLANTED_SOURCE,
+                       objects_from=out)
         code, text = run_tests(sanitizer, module, python, [PLANTED[sanitizer][3], "-x"], planted / "pytest.log")
         caught = code != 0 and REPORTS[sanitizer] in text
         print(f"[{sanitizer}] planted bug ({PLANTED[sanitizer][0]}): "

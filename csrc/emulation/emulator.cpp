@@ -136,6 +136,7 @@ struct PendingShuffle {
 struct Fiber {
   ucontext_t context;
   ThreadState state;
+  bool started;  // has run: its stack holds a kernel's frames
   uint3 index;
   int linear;
   PendingShuffle shuffle;
@@ -150,6 +151,7 @@ struct BlockRun {
   std::vector<Fiber> fibers;
   ucontext_t scheduler;
   int current = -1;  // the fiber running, or -1 in the scheduler
+  bool aborting = false;  // a fault stopped the block: waiting threads, when resumed, end at once
   std::string fault;
   cudaError_t fault_error = cudaSuccess;
   char* grid_token;                   // TSan: the host's work before the launch, then every finished thread's
@@ -241,6 +243,16 @@ BlockRun& running_block(const char* what) {
   run.fault = "block " + describe(run.block_index) + ", thread " + describe(fiber.index) + ": " + text;
   run.fault_error = error;
   fiber.state = ThreadState::Faulted;
+  tsan_release(run.grid_token);  // its accesses are done: the host's next launch comes after them
+  switch_to_scheduler(run, fiber, true);
+  __builtin_unreachable();
+}
+
+// A thread resumed at a barrier or a shuffle of a block that a fault stopped: it ends here.
+void end_if_aborting(BlockRun& run, Fiber& fiber) {
+  if (!run.aborting) return;
+  tsan_release(run.grid_token);
+  fiber.state = ThreadState::Exited;
   switch_to_scheduler(run, fiber, true);
   __builtin_unreachable();
 }
@@ -248,6 +260,7 @@ BlockRun& running_block(const char* what) {
 void fiber_main() {
   BlockRun& run = *active;
   Fiber& fiber = run.fibers[run.current];
+  fiber.started = true;
 #if defined(FUSEDOFF_EMULATION_ASAN)
   __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_bottom, &run.scheduler_stack_size);
 #endif
@@ -362,6 +375,7 @@ void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
     Fiber& f = run.fibers[t];
     f.linear = t;
     f.state = ThreadState::Ready;
+    f.started = false;
     f.index = uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
     void* stack = stack_pool[t]->base();
 #if defined(FUSEDOFF_EMULATION_ASAN)
@@ -413,6 +427,12 @@ void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
     run.fault = deadlock_report(run, block_threads);
     run.fault_error = cudaErrorLaunchFailure;
   }
+  if (run.fault.empty()) return;
+  // Let every thread still inside the kernel end, so that (for TSan) its accesses come before the
+  // host's next launch; none of them runs any more of the kernel.
+  run.aborting = true;
+  for (Fiber& f : run.fibers)
+    if (f.started && f.state != ThreadState::Exited && f.state != ThreadState::Faulted) switch_to_fiber(run, f);
 }
 
 // Runs one block on the calling OS thread; returns its fault, if any.
@@ -502,6 +522,7 @@ void sync_threads() {
   tsan_release(&run.sync_tokens[0]);
   fiber.state = ThreadState::AtBarrier;
   switch_to_scheduler(run, fiber, false);
+  end_if_aborting(run, fiber);
   tsan_acquire(&run.sync_tokens[0]);
 }
 
@@ -519,6 +540,7 @@ std::uint64_t warp_shuffle(ShuffleKind kind, unsigned int mask, std::uint64_t bi
   tsan_release(token);
   fiber.state = ThreadState::AtShuffle;
   switch_to_scheduler(run, fiber, false);
+  end_if_aborting(run, fiber);
   tsan_acquire(token);
   return fiber.shuffle.result;
 }
