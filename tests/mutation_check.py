@@ -14,8 +14,9 @@ reach them), cuda-marked tests skip on a machine without a GPU.
 The scratch copy is the committed tree (`git archive HEAD`; `--source worktree` copies the checkout
 instead, edits in progress included) with its own CPU-only build of the extension. A C++ mutation
 rebuilds it (ninja recompiles the objects that include the changed file), and the unmutated objects
-are put back afterwards. CUDA mutations cannot run without a GPU: each is compiled with nvcc, to show
-that it is a valid program, reported as "not runnable here (CUDA)" and left out of the count.
+are put back afterwards. The copy also builds the CUDA kernels as host C++ (fusedoff._C_emulated,
+csrc/emulation): a CUDA mutation is compiled with nvcc (to show that it is a valid device program),
+then rebuilt into the emulated kernels and caught, or not, by the `emulated` tests of its area.
 
 A test that fails on a mutation counts only if it passes on the unmutated copy (checked once per
 test); one that fails there too is deselected and the mutation run again.
@@ -54,8 +55,10 @@ CHECKPOINT = ("tests/test_checkpoint.py", "tests/test_offload.py", "tests/test_o
 SHARDING = ("tests/test_distributed.py",)
 TRITON_ADAM = ("tests/test_triton_adam.py", "tests/test_grad_scaler.py")
 TRITON_APOLLO = ("tests/test_triton_apollo.py", "tests/test_apollo.py")
-NOT_TRITON = "not cuda and not triton"
+NOT_TRITON = "not cuda and not triton and not emulated"
 TRITON = "triton and not cuda"
+EMULATED = "emulated"
+CUDA_EMULATION = ("tests/test_cuda_emulation.py",)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class Mutation:
         if self.path.endswith((".cu", ".cuh")):
             return "cuda"
         return "cpp" if self.path.startswith("csrc/") else "python"
+
+    @property
+    def rebuilds(self) -> bool:
+        return self.kind in ("cpp", "cuda")
 
 
 M = Mutation
@@ -153,16 +160,31 @@ MUTATIONS = [
       '  TORCH_CHECK(g.numel() == p.numel(), "fusedoff: grads[", i, "] has ", g.numel(), '
       '" elements but its parameter has ",\n              p.numel());\n',
       "", "a gradient of the wrong size is not refused", OPS),
-    # ---- device kernels (csrc/cuda): compiled, not runnable here --------------------------------
+    # ---- device kernels (csrc/cuda): nvcc-compiled, run by the CUDA emulation ---------------------
     M("multi_tensor.cuh:block-search", "csrc/cuda/multi_tensor.cuh",
       "if (table.first_block[mid] <= block) {", "if (table.first_block[mid] < block) {",
-      "a block is given to the tensor before the one it belongs to", ADAM + APOLLO, "cuda"),
+      "a block is given to the tensor before the one it belongs to", ADAM + APOLLO, EMULATED),
+    M("multi_tensor.cuh:block-search-misses-last-tensor", "csrc/cuda/multi_tensor.cuh",
+      "  int hi = table.num_tensors - 1;\n", "  int hi = table.num_tensors > 1 ? table.num_tensors - 2 : 0;\n",
+      "the block search never reaches a launch's last tensor: its blocks go to the one before", ADAM, EMULATED),
+    M("multi_tensor.cuh:vectors-from-element-0", "csrc/cuda/multi_tensor.cuh",
+      "  const int begin = head < numel ? head : numel;\n", "  const int begin = 0;\n",
+      "16-byte accesses from a chunk's first element, not from its vector head (views at an offset)",
+      CUDA_EMULATION + ("tests/test_unaligned_views.py",), EMULATED),
+    M("adam_cuda:head-run-stops-early", "csrc/cuda/adam_cuda.cu",
+      "for (int i = thread; i < runs.vector_begin; i += kThreads)",
+      "for (int i = thread; i + 1 < runs.vector_begin; i += kThreads)",
+      "the scalar run before the vector head leaves its last element out", CUDA_EMULATION + ADAM, EMULATED),
+    M("adam_cuda:tail-run-stops-early", "csrc/cuda/adam_cuda.cu",
+      "for (int i = runs.vector_end + thread; i < work.numel; i += kThreads)",
+      "for (int i = runs.vector_end + thread; i + 1 < work.numel; i += kThreads)",
+      "the scalar run after the last whole vector leaves a chunk's last element out", ADAM, EMULATED),
     M("adam_cuda:found-inf-only-one", "csrc/cuda/adam_cuda.cu",
       "*table.args.found_inf != 0.0f;", "*table.args.found_inf == 1.0f;",
-      "the CUDA Adam kernel skips only when found_inf is exactly 1", ADAM, "cuda"),
+      "the CUDA Adam kernel skips only when found_inf is exactly 1", ADAM, EMULATED),
     M("apollo_cuda:warp-reduce-misses-lane", "csrc/cuda/apollo_cuda.cu",
       "for (int offset = 16; offset > 0; offset /= 2)", "for (int offset = 16; offset > 1; offset /= 2)",
-      "the warp reduction of the Apollo partials stops one shuffle early", APOLLO, "cuda"),
+      "the warp reduction of the Apollo partials stops one shuffle early", APOLLO, EMULATED),
     # ---- Triton kernels ---------------------------------------------------------------------------
     M("triton_adam:step-size-beta2", "fusedoff/kernels/triton_adam.py",
       "step_size = (lr / (1.0 - fp64_pow(beta1, t))).to(tl.float32)",
@@ -268,16 +290,19 @@ def snapshot(source: str, scratch: Path) -> None:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, target)
     # The project's configuration would put the checkout (and its unmutated package) first on sys.path.
-    (scratch / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: x\n    triton: x\n    slow: x\n")
+    (scratch / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: x\n    triton: x\n    slow: x\n    emulated: x\n")
 
 
 def build(scratch: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FUSEDOFF_CUDA": "0", "MAX_JOBS": "2"}
+    env = {**os.environ, "FUSEDOFF_CUDA": "0", "FUSEDOFF_CUDA_EMULATION": "1", "MAX_JOBS": "2"}
     return run_command([PYTHON, "setup.py", "build_ext", "--inplace"], scratch, env)
 
 
 def test_env(scratch: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1",
+           "FUSEDOFF_REQUIRE_EMULATION": "1"}  # an emulated test never skips for want of its build
+    env.pop("FUSEDOFF_EMULATED_EXTENSION", None)
+    return env
 
 
 class Scratch:
@@ -317,7 +342,7 @@ class Scratch:
         target = self.src / mutation.path
         target.write_text(original[0])
         os.utime(target, (original[1], original[1]))
-        if mutation.kind == "cpp":
+        if mutation.rebuilds:
             shutil.rmtree(self.src / "build")
             shutil.copytree(self.pristine / "build", self.src / "build", copy_function=shutil.copy2)
             for lib in self.libraries:
@@ -328,7 +353,7 @@ class Scratch:
         """The unmutated source and extension for a while (the mutated build is kept aside)."""
         target = self.src / mutation.path
         mutated = target.read_text()
-        libraries = {lib: lib.read_bytes() for lib in self.libraries} if mutation.kind == "cpp" else {}
+        libraries = {lib: lib.read_bytes() for lib in self.libraries} if mutation.rebuilds else {}
         target.write_text(original[0])
         for lib in libraries:
             shutil.copy2(self.pristine / lib.name, lib)
@@ -380,12 +405,14 @@ def compile_cuda(scratch: Scratch, mutation: Mutation) -> str:
 
 
 def run_mutation(scratch: Scratch, mutation: Mutation) -> tuple[str, str]:
-    """(verdict, details): verdict is caught, MISSED, cuda, or an error."""
+    """(verdict, details): verdict is caught, MISSED, or an error."""
     original = scratch.apply(mutation)
     try:
         if mutation.kind == "cuda":
-            return "cuda", compile_cuda(scratch, mutation)
-        if mutation.kind == "cpp":
+            compiled = compile_cuda(scratch, mutation)
+            if compiled.startswith("DOES NOT COMPILE"):
+                return "BROKEN", compiled
+        if mutation.rebuilds:
             result = build(scratch.src)
             if result.returncode:
                 return "BROKEN", "the mutated copy does not build: " + (result.stdout + result.stderr)[-500:]
@@ -442,8 +469,7 @@ def main() -> int:
     path = Path(tempfile.mkdtemp(prefix="fusedoff_mutation_check_"))
     try:
         scratch = Scratch(path, args.source)
-        runnable = [m for m in chosen if m.kind != "cuda"]
-        caught, missed, cuda = 0, [], []
+        caught, missed = 0, []
         for i, m in enumerate(chosen, start=1):
             t0 = time.perf_counter()
             try:
@@ -451,23 +477,17 @@ def main() -> int:
             except ValueError as error:
                 verdict, details = "STALE", str(error)
             seconds = time.perf_counter() - t0
-            subset = "" if m.kind == "cuda" else f"  [ran: {' '.join(Path(t).name for t in existing(scratch, m.tests))}" \
-                                                     f" -m '{m.marker}']"
-            label = {"cuda": "not runnable here (CUDA)"}.get(verdict, verdict)
-            print(f"[{i}/{len(chosen)}] {label}: {m.name} ({m.path}): {m.what}\n      -> {details}{subset} "
+            subset = f"  [ran: {' '.join(Path(t).name for t in existing(scratch, m.tests))} -m '{m.marker}']"
+            print(f"[{i}/{len(chosen)}] {verdict}: {m.name} ({m.path}): {m.what}\n      -> {details}{subset} "
                   f"({seconds:.0f} s)", flush=True)
             if verdict == "caught":
                 caught += 1
-            elif verdict == "cuda":
-                cuda.append(m.name)
             else:
                 missed.append(m.name)
-        print(f"\n{caught} of {len(runnable)} mutations caught ({time.perf_counter() - started:.0f} s)")
+        print(f"\n{caught} of {len(chosen)} mutations caught ({time.perf_counter() - started:.0f} s)")
         if missed:
             print(f"not caught: {', '.join(missed)}")
-        if cuda:
-            print(f"{len(cuda)} CUDA mutations compile-checked only, not runnable here (no GPU): {', '.join(cuda)}")
-        return 0 if caught == len(runnable) else 1
+        return 0 if caught == len(chosen) else 1
     finally:
         if args.keep:
             print(f"scratch kept in {path}")
