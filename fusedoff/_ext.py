@@ -87,12 +87,17 @@ def _import_jit_built(prebuilt_reason: str) -> types.ModuleType:
             f"fusedoff: FUSEDOFF_NO_JIT is set and no native extension was built: {prebuilt_reason}; no {path}. "
             "The pure-PyTorch backend (backend='torch') still works."
         )
+    return _import_module_file(name, path, "FUSEDOFF_NO_JIT is set and ")
+
+
+def _import_module_file(name: str, path: Path, context: str = "") -> types.ModuleType:
+    """The extension module in file `path`; NativeExtensionUnavailable if it does not load."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except ImportError as exc:
-        raise NativeExtensionUnavailable(f"fusedoff: FUSEDOFF_NO_JIT is set and {path} does not load: {exc}") from exc
+        raise NativeExtensionUnavailable(f"fusedoff: {context}{path} does not load: {exc}") from exc
     return module
 
 
@@ -175,15 +180,9 @@ def load_emulated_extension() -> types.ModuleType:
     registers ``torch.ops.fusedoff_emulated``; raises NativeExtensionUnavailable without one."""
     path = os.environ.get("FUSEDOFF_EMULATED_EXTENSION")
     if path:
-        spec = importlib.util.spec_from_file_location("fusedoff._C_emulated", path)
-        if spec is None or not Path(path).is_file():
+        if not Path(path).is_file():
             raise NativeExtensionUnavailable(f"fusedoff: FUSEDOFF_EMULATED_EXTENSION={path} is not a module file")
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except ImportError as exc:
-            raise NativeExtensionUnavailable(f"fusedoff: {path} does not load: {exc}") from exc
-        return module
+        return _import_module_file("fusedoff._C_emulated", Path(path))
     try:
         from fusedoff import _C_emulated  # type: ignore[attr-defined]
     except ImportError as exc:
