@@ -20,10 +20,11 @@
 // Under ThreadSanitizer (FUSEDOFF_EMULATION_TSAN; this file is then compiled without
 // instrumentation, the kernels with it) every fiber is a TSan fiber switched to without
 // synchronisation, so TSan orders two threads of a block only through what the emulated hardware
-// orders: a barrier or a shuffle (release on arrival, acquire on leaving). Blocks are ordered one
-// after another for TSan (each thread of a block acquires what every thread of the blocks before it
-// released at its end, and the first block what the host did before the launch; the host acquires
-// every thread after it): blocks reuse one another's `__shared__` variables and fiber stacks here,
+// orders: a barrier or a shuffle (release on arrival, acquire on leaving); a thread that starts
+// after another of its block has ended is not ordered after it. Blocks are ordered one after
+// another for TSan (the scheduler acquires what every thread of a block released at its end and
+// releases it, with what the host did before the launch, to every thread of the blocks after it;
+// the host comes after the grid): blocks reuse one another's `__shared__` variables and fiber stacks here,
 // as TSan fibers are too costly to make afresh per block, so a race between two blocks of a grid
 // does not show under TSan. The seeded block order shows one that changes a result.
 // Under AddressSanitizer the fiber switches are announced to ASan and each stack is unpoisoned
@@ -154,8 +155,8 @@ struct BlockRun {
   bool aborting = false;  // a fault stopped the block: waiting threads, when resumed, end at once
   std::string fault;
   cudaError_t fault_error = cudaSuccess;
-  char* grid_token;                   // TSan: the host's work before the launch, then every finished thread's
-  std::unique_ptr<char[]> sync_tokens;  // TSan: [0] this block's barrier, [1 + w] warp w
+  char* grid_token;  // TSan: the host's work before the launch and every earlier block's threads
+  std::unique_ptr<char[]> sync_tokens;  // TSan: [kBarrierToken], [kDoneToken] (this block's ended threads), warps
   void* scheduler_tsan_fiber = nullptr;
   const void* scheduler_stack_bottom = nullptr;  // ASan
   std::size_t scheduler_stack_size = 0;
@@ -163,6 +164,10 @@ struct BlockRun {
 };
 
 thread_local BlockRun* active = nullptr;
+
+constexpr int kBarrierToken = 0;
+constexpr int kDoneToken = 1;
+constexpr int kFirstWarpToken = 2;
 thread_local std::vector<std::unique_ptr<Stack>> stack_pool;
 #if defined(FUSEDOFF_EMULATION_TSAN)
 thread_local std::vector<void*> tsan_fiber_pool;  // fiber t of every block: one TSan fiber each
@@ -243,7 +248,7 @@ BlockRun& running_block(const char* what) {
   run.fault = "block " + describe(run.block_index) + ", thread " + describe(fiber.index) + ": " + text;
   run.fault_error = error;
   fiber.state = ThreadState::Faulted;
-  tsan_release(run.grid_token);  // its accesses are done: the host's next launch comes after them
+  tsan_release(&run.sync_tokens[kDoneToken]);  // its accesses are done: later blocks come after them
   switch_to_scheduler(run, fiber, true);
   __builtin_unreachable();
 }
@@ -251,7 +256,7 @@ BlockRun& running_block(const char* what) {
 // A thread resumed at a barrier or a shuffle of a block that a fault stopped: it ends here.
 void end_if_aborting(BlockRun& run, Fiber& fiber) {
   if (!run.aborting) return;
-  tsan_release(run.grid_token);
+  tsan_release(&run.sync_tokens[kDoneToken]);
   fiber.state = ThreadState::Exited;
   switch_to_scheduler(run, fiber, true);
   __builtin_unreachable();
@@ -266,7 +271,7 @@ void fiber_main() {
 #endif
   tsan_acquire(run.grid_token);
   run.body(run.body_context);
-  tsan_release(run.grid_token);
+  tsan_release(&run.sync_tokens[kDoneToken]);
   fiber.state = ThreadState::Exited;
   switch_to_scheduler(run, fiber, true);
   __builtin_unreachable();
@@ -370,7 +375,7 @@ void run_block(BlockRun& run, int block_threads, std::mt19937_64* rng) {
 #endif
   run.fibers.assign(static_cast<std::size_t>(block_threads), Fiber{});
   const int warps = (block_threads + 31) / 32;
-  run.sync_tokens.reset(new char[1 + warps]);
+  run.sync_tokens.reset(new char[kFirstWarpToken + warps]);
   for (int t = 0; t < block_threads; ++t) {
     Fiber& f = run.fibers[t];
     f.linear = t;
@@ -506,6 +511,9 @@ void run_grid(const LaunchShape& shape, void (*thread_body)(void*), void* contex
     gridDim = shape.grid;
     blockDim = shape.block;
     run_block_here(run, block_index, static_cast<int>(threads), rng.get());
+    // The next block's threads (and the host, after the grid) come after this block's.
+    tsan_acquire(&run.sync_tokens[kDoneToken]);
+    tsan_release(&grid_token);
     if (!run.fault.empty()) {
       set_error(run.fault_error, run.fault);
       break;
@@ -513,17 +521,16 @@ void run_grid(const LaunchShape& shape, void (*thread_body)(void*), void* contex
   }
   gridDim = caller_grid;
   blockDim = caller_block;
-  tsan_acquire(&grid_token);
 }
 
 void sync_threads() {
   BlockRun& run = running_block("__syncthreads");
   Fiber& fiber = run.fibers[run.current];
-  tsan_release(&run.sync_tokens[0]);
+  tsan_release(&run.sync_tokens[kBarrierToken]);
   fiber.state = ThreadState::AtBarrier;
   switch_to_scheduler(run, fiber, false);
   end_if_aborting(run, fiber);
-  tsan_acquire(&run.sync_tokens[0]);
+  tsan_acquire(&run.sync_tokens[kBarrierToken]);
 }
 
 std::uint64_t warp_shuffle(ShuffleKind kind, unsigned int mask, std::uint64_t bits, int operand, int width) {
@@ -536,7 +543,7 @@ std::uint64_t warp_shuffle(ShuffleKind kind, unsigned int mask, std::uint64_t bi
     fault(cudaErrorLaunchFailure, "lane " + std::to_string(lane) + " calls a shuffle whose mask " + hex(mask) +
                                       " does not name it (undefined on a GPU)");
   fiber.shuffle = PendingShuffle{kind, mask, operand, width, bits, 0};
-  char* const token = &run.sync_tokens[1 + fiber.linear / 32];
+  char* const token = &run.sync_tokens[kFirstWarpToken + fiber.linear / 32];
   tsan_release(token);
   fiber.state = ThreadState::AtShuffle;
   switch_to_scheduler(run, fiber, false);
