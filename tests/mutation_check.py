@@ -148,8 +148,10 @@ MUTATIONS = [
       "the parameter read for the wrong decay type (L2's gradient sees p = 0)", APOLLO),
     # ---- the boundary file (csrc/ops.cpp) -------------------------------------------------------
     M("ops.cpp:betas-swapped", "csrc/ops.cpp",
-      "AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};",
-      "AdamHyperparams{lr, beta2, beta1, eps, weight_decay, decoupled_weight_decay, maximize};",
+      "  launch.amsgrad = amsgrad;\n  launch.has_master = !master_params.empty();\n"
+      "  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};",
+      "  launch.amsgrad = amsgrad;\n  launch.has_master = !master_params.empty();\n"
+      "  launch.hyper = AdamHyperparams{lr, beta2, beta1, eps, weight_decay, decoupled_weight_decay, maximize};",
       "beta1 and beta2 swapped in the launch description", OPS),
     M("ops.cpp:range-size-as-total", "csrc/ops.cpp",
       "                               p.numel(),\n                               total_numels[i]};",
@@ -201,7 +203,7 @@ MUTATIONS = [
       TRITON_APOLLO, TRITON),
     # ---- the offload engine (fusedoff/offload) --------------------------------------------------
     M("plan:no-alignment", "fusedoff/offload/plan.py",
-      "used = round_up(used + n, ALIGN_ELEMENTS)", "used = used + n",
+      "used = round_up(used + n, align)", "used = used + n",
       "streamed tensors packed without 64-byte alignment", ENGINE),
     M("plan:piece-one-short", "fusedoff/offload/plan.py",
       "pieces.append(Piece(t, lo - self.offsets[t], lo - begin, hi - lo))",
@@ -216,8 +218,8 @@ MUTATIONS = [
       "states a pass writes but does not read are not copied in (pieces sitting out go back stale)",
       ENGINE),
     M("store:first-segment", "fusedoff/offload/store.py",
-      "return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + self.plan.numels[tensor]]",
-      "return self.slabs[name][0][begin : begin + self.plan.numels[tensor]]",
+      "return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + spec.numel(self.plan.numels[tensor])]",
+      "return self.slabs[name][0][begin : begin + spec.numel(self.plan.numels[tensor])]",
       "every tensor's state viewed in the first slab", ENGINE),
     M("placement:strict-fit", "fusedoff/offload/placement.py",
       "fits = left is None or size <= left", "fits = left is None or size < left",
@@ -259,7 +261,7 @@ MUTATIONS = [
       "                shaped.copy_(",
       "a streamed state taken by value restarts the master weights from the parameters", CHECKPOINT),
     M("checkpoint:no-size-check", "fusedoff/optim/checkpoint.py",
-      "            if value.numel() != param.numel():\n",
+      "            if value.numel() != expected:\n",
       "            if False:\n",
       "a loaded state of the wrong size is not refused up front", CHECKPOINT),
     # ---- sharding ---------------------------------------------------------------------------------
