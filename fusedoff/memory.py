@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from fusedoff.offload.engine import OffloadEngine
 from fusedoff.offload.plan import round_up
-from fusedoff.offload.update import StateSpec, state_specs
+from fusedoff.offload.contract import StateSpec, state_specs
 from fusedoff.optim.adam import _check_precision, adam_state_specs
 
 PARAMETERS = "parameters"

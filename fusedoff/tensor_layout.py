@@ -24,6 +24,13 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def check_dense(t: Tensor) -> None:
+    """Raises unless `t` is dense: the kernels walk a tensor's elements in memory order."""
+    if not is_dense(t):
+        raise ValueError(f"fusedoff needs dense parameters (any order of dimensions, no gaps or overlaps), got one of "
+                         f"shape {tuple(t.shape)} with strides {t.stride()}; make it contiguous")
+
+
 def flat_view(t: Tensor) -> Tensor:
     """The elements of a dense tensor `t` in memory order, as a 1-D view (writes go to `t`)."""
     return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))

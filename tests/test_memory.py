@@ -72,7 +72,7 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, 
     stats = opt.memory_stats()
     assert got.host_total == stats["host_bytes"]
     assert memory.check_memory_stats(got, stats) == []
-    slabs = [(name, slab) for layout in opt._engine.layouts.values() for name, ss in layout.store.slabs.items()
+    slabs = [(name, slab) for layout in opt._engine.buckets.values() for name, ss in layout.store.slabs.items()
              for slab in ss]
     assert got.host[memory.HOST_MASTERS] == nbytes(slab for name, slab in slabs if name == "master_param")
     assert got.host[memory.HOST_STATES] == nbytes(slab for name, slab in slabs if name != "master_param")
@@ -110,7 +110,7 @@ def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(ki
     # Resident states are tensors of opt.state on the parameters' device, counted by hand here.
     by_hand = sum(v.numel() * v.element_size() for p in params for k, v in opt.state[p].items()
                   if k != "step" and not any(v.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
-                                             for layout in opt._engine.layouts.values() if layout.store is not None
+                                             for layout in opt._engine.buckets.values() if layout.store is not None
                                              for slabs in layout.store.slabs.values() for slab in slabs))
     assert stats["resident_bytes"] == by_hand
 

@@ -385,7 +385,7 @@ def test_cuda_a_store_freed_during_graph_capture_keeps_its_memory_until_unpinned
     opt = fusedoff.AdamW(params, offload="stream", chunk_size=1024)
     params[0].grad = torch.randn_like(params[0])
     opt.step()
-    layout = next(iter(opt._engine.layouts.values()))
+    layout = next(iter(opt._engine.buckets.values()))
     slab_pointer = layout.store.slabs["exp_avg"][0].data_ptr()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

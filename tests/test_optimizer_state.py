@@ -96,7 +96,7 @@ def test_states_are_entries_of_opt_state_and_read_after_step_sees_that_step(mode
     streamed = [opt.state[p]["exp_avg"] for p in params]
     assert all(s.device.type == "cpu" and s.dtype == torch.float32 and s.shape == p.shape
                for s, p in zip(streamed, params))
-    store_ptrs = {slab.untyped_storage().data_ptr() for layout in opt._engine.layouts.values()
+    store_ptrs = {slab.untyped_storage().data_ptr() for layout in opt._engine.buckets.values()
                   if layout.store is not None for slab in layout.store.slabs["exp_avg"]}
     in_store = [s.untyped_storage().data_ptr() in store_ptrs for s in streamed]
     want_in_store = {"resident": [False] * 5, "streamed": [True] * 5, "mixed": [False, False, True, False, True]}[mode]

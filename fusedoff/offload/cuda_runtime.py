@@ -51,6 +51,9 @@ class CudaRuntime(Runtime):
         with torch.cuda.stream(stream):
             fn()
 
+    def empty(self, numel: int) -> Tensor:
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
+
     def keep_alive(self, tensor: Tensor, stream) -> None:
         tensor.record_stream(stream)
 

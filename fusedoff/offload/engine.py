@@ -1,39 +1,47 @@
-"""OffloadEngine: where each parameter's states live, and one step path for every placement.
+"""OffloadEngine: the step of every bucket, wherever its states live.
 
-A bucket is the parameters of one param group that share a device, dtype and master-weight
-setting, fixed when the bucket first steps. Its `StateLayout` places each tensor's states
-(see placement.py): resident ones are device tensors, streamed ones live in a HostStateStore laid
-out by a ChunkPlan and move through the device's StreamPipeline, whose buffers every bucket of the
-device shares. Either way the states are the entries of ``opt.state[p]``: device tensors, or
-views of the host store (never copies), so torch's machinery sees one source of truth.
+The engine owns what an optimizer class does not need to know: it forms buckets (the parameters of
+one param group that share a device, dtype and states; bucket.py), places each bucket's tensors
+(placement.py: resident within the device budget, streamed beyond it), keeps ``opt.state`` and the
+placed states one (adoption), keeps master weights following their parameters, and runs the
+step. Its interface is narrow: `step` (every bucket with gradients), `place_loaded` (after
+``load_state_dict``), `wait_host` (before host state is read), `memory_stats`, and
+`predict_placement` (what `fusedoff.memory.predict` asks). What it asks of the optimizer class is
+`contract.OptimizerRules`.
 
-The engine follows what ``opt.state`` holds (`StateLayout.adopt`): a missing state starts afresh,
-an assigned tensor is taken by value into its place, an in-place edit is the state itself.
-
-A step runs an optimizer's `FusedUpdate` (update.py): resident tensors whole, in one call per
+A step runs an optimizer's `FusedUpdate` (contract.py): resident tensors whole, in one call per
 phase on the current stream; streamed chunks through the pipeline. Chunks holding only whole,
 unsharded tensors run every phase while resident in their buffers (one copy in, one out); the
 pieces of tensors spanning chunks, and sharded tensors, take one pass per phase, so that each
 phase sees the previous one's whole-tensor results.
+
+Where things plug in: a per-bucket step (to overlap the step with the next forward) is `_run` on
+one bucket, which `step` already calls bucket by bucket; a placement computed elsewhere is a
+`Budget` (placement.py) whose `place` answers the resident flags; a new storage tier is a store
+with HostStateStore's `view`/`chunk` and a `Runtime` that copies to and from it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from fusedoff.ops import increment_steps_
+from fusedoff.offload import placement
+from fusedoff.offload.bucket import Bucket
+from fusedoff.offload.gradients import checked_flat_grads
+from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
-from fusedoff.offload.runtime import Runtime, runtime_for
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
+from fusedoff.offload.runtime import Runtime, runtime_for
 from fusedoff.offload.store import HostStateStore
-from fusedoff.offload.update import FusedUpdate, Phase, StateSpec, UpdateArgs, state_specs
-from fusedoff.sharding import like_param, local_tensor, shard_groups
-from fusedoff.tensor_layout import flat_view
+from fusedoff.sharding import local_tensor
+from fusedoff.tensor_layout import check_dense
+
+OFFLOAD_MODES = ("auto", "none", "stream")
 
 # NOTE: 4M elements: with AdamW + master weights (3 fp32 states) one buffer set is 48 MiB and the
 # default two sets 96 MiB, whatever the model size; large enough that each copy runs at full PCIe
@@ -43,162 +51,43 @@ DEFAULT_CHUNK_SIZE = 4 * 2**20
 # huge region fails on many systems.
 DEFAULT_SEGMENT_BYTES = 256 * 2**20
 
-# initial(name, param): a state's starting value (None: zeros).
-Initial = Callable[[str, Tensor], "Tensor | None"]
-
-
-@dataclass
-class StateLayout:
-    """Where the states of one bucket's tensors live: resident on the device or streamed."""
-
-    params: list[Tensor]
-    specs: dict[str, StateSpec]
-    resident: list[bool]
-    plan: ChunkPlan
-    store: HostStateStore | None
-    pipeline: StreamPipeline | None
-    initial: Initial
-    index: dict[int, int]  # id(param) -> position in `params`
-    sharded: list[bool]
-    runtime: Runtime
-    before_host_write: Callable[[], None]  # waits for queued copies back into the store
-    # The object last placed in opt.state[p][name] for each tensor (None: none yet).
-    placed: dict[str, list[Tensor | None]] = field(default_factory=dict)
-    # Flat views of the parameters for the step under way, made once per step: a DTensor's local
-    # view costs ~30 us, and a pass asks for it once per piece (and per phase).
-    _flat_params: dict[int, Tensor] = field(default_factory=dict)
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(self.specs)
-
-    def adopt(self, t: int, state: dict) -> None:
-        """Makes `state` (the dict ``opt.state[params[t]]``) hold this layout's tensors for every
-        state name, keeping the values it holds: fresh where missing, by value where replaced."""
-        param = self.params[t]
-        placed = self.placed
-        for name, spec in self.specs.items():
-            value = state.get(name)
-            if value is not None and value is placed[name][t]:
-                continue
-            if value is not None and (value.dtype != spec.dtype if spec.dtype != torch.float32
-                                      else not value.is_floating_point()):
-                raise ValueError(f"state {name!r} is kept as {spec.dtype}, got a {value.dtype} tensor")
-            if self.resident[t]:
-                state[name] = placed[name][t] = self._resident_state(spec, param, value)
-                continue
-            local_param = local_tensor(param)
-            # The state has the parameter's strides: the store holds it in the parameter's memory order.
-            # A block-wise state (one value per block of elements) is flat.
-            shaped = self.store.view(name, t)
-            if spec.block == 1:
-                shaped = shaped.as_strided(local_param.shape, local_param.stride())
-            # The previous step's copies back cover whole chunks, this tensor's part included.
-            self.before_host_write()
-            self.runtime.host_access([shaped], write=True, what=f"{name} of tensor {t} set by the host")
-            if value is None:
-                start = self.initial(name, param)
-                shaped.copy_(local_tensor(start)) if start is not None else shaped.zero_()
-            else:
-                local = local_tensor(value)
-                if local.numel() != shaped.numel():
-                    raise ValueError(f"state {name!r} has {local.numel()} elements, expected {shaped.numel()}")
-                shaped.copy_(local.reshape(shaped.shape))
-            state[name] = placed[name][t] = like_param(shaped, param) if spec.block == 1 else shaped
-
-    def _resident_state(self, spec: StateSpec, param: Tensor, value: Tensor | None) -> Tensor:
-        local_param = local_tensor(param)
-        if value is None:
-            start = self.initial(spec.name, param)
-            if start is None:  # the parameter's strides: states are walked in its memory order
-                if spec.block != 1:
-                    return torch.zeros(spec.numel(local_param.numel()), dtype=spec.dtype, device=param.device)
-                return torch.zeros_like(param, dtype=spec.dtype, memory_format=torch.preserve_format)
-            value = start
-        else:
-            start = None
-        local = local_tensor(value)
-        expected = spec.numel(local_param.numel())
-        if local.numel() != expected:
-            raise ValueError(f"state {spec.name!r} has {local.numel()} elements, expected {expected}")
-        if spec.block != 1:
-            if local.dtype == spec.dtype and local.device == param.device and local.dim() == 1 and local.is_contiguous():
-                return value
-            return local.to(device=param.device, dtype=spec.dtype).reshape(-1).contiguous().clone()
-        if (start is None and local.dtype == spec.dtype and local.device == param.device
-                and local.shape == local_param.shape and local.stride() == local_param.stride()):
-            return value  # an assigned tensor fit to be the state is the state, as in torch
-        # A starting value (which may alias the parameter) or a tensor of another dtype, device or
-        # layout: a copy in place of it, with the parameter's strides.
-        copy = torch.empty_like(local_param, dtype=spec.dtype)
-        copy.copy_(local.reshape(local_param.shape))
-        return like_param(copy, param)
-
-    def flat_param(self, t: int) -> Tensor:
-        # A sharded (DTensor) parameter's states are its local shard's: the plan counts local elements.
-        flat = self._flat_params.get(t)
-        if flat is None:
-            flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
-        return flat
-
-    def chunk_calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor],
-                    steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
-        """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor steps."""
-        by_dtype: dict[torch.dtype, list] = defaultdict(list)
-        for piece in chunk.pieces:
-            if piece.tensor in grads:
-                by_dtype[grads[piece.tensor].dtype].append(piece)
-        calls = []
-        for pieces in by_dtype.values():
-            calls.append(UpdateArgs(
-                tensors=[p.tensor for p in pieces],
-                params=[_slice(self.flat_param(p.tensor), p.tensor_offset, p.length) for p in pieces],
-                grads=[_slice(grads[p.tensor], p.tensor_offset, p.length) for p in pieces],
-                states={name: [_piece(buf, self.specs[name], p) for p in pieces] for name, buf in buffers.items()},
-                steps=[steps[p.tensor] for p in pieces],
-                stats=[stats[p.tensor] for p in pieces] if stats is not None else [],
-                total_numels=[self.params[p.tensor].numel() for p in pieces],
-                offsets=[p.tensor_offset for p in pieces],
-            ))
-        return calls
-
-    def resident_calls(self, tensors: list[int], states: list[dict], grads: dict[int, Tensor],
-                       steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
-        """The fused calls for whole resident tensors (`states[i]` is ``opt.state`` of `tensors[i]`),
-        as flat views in memory order, like the gradients in `grads`."""
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-        for i, t in enumerate(tensors):
-            by_dtype[grads[t].dtype].append(i)
-        return [UpdateArgs(
-            tensors=[tensors[i] for i in rows],
-            params=[self.flat_param(tensors[i]) for i in rows],
-            grads=[grads[tensors[i]] for i in rows],
-            states={name: [flat_view(local_tensor(states[i][name])) for i in rows] for name in self.names},
-            steps=[steps[tensors[i]] for i in rows],
-            stats=[stats[tensors[i]] for i in rows] if stats is not None else [],
-            total_numels=[self.params[tensors[i]].numel() for i in rows],
-            offsets=[0] * len(rows),
-        ) for rows in by_dtype.values()]
-
-
 class OffloadEngine:
-    def __init__(self, mode: str, chunk_size: int | None, num_buffers: int, device_budget: int | None) -> None:
+    def __init__(self, mode: str, chunk_size: int | None, num_buffers: int, device_budget: int | None,
+                 decided: dict | None = None) -> None:
+        if mode not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {mode!r}")
+        if device_budget is not None:
+            if mode == "none":
+                raise ValueError("device_budget applies to offload='stream' or 'auto'; offload='none' keeps every "
+                                 "state on the device")
+            if isinstance(device_budget, bool) or not isinstance(device_budget, int) or device_budget < 0:
+                raise ValueError(f"device_budget must be None or a number of bytes >= 0, got {device_budget!r}")
         self.mode = mode
         self.chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else aligned_chunk_size(chunk_size)
         if isinstance(num_buffers, bool) or int(num_buffers) != num_buffers or num_buffers < 2:
             raise ValueError(f"num_buffers must be an integer >= 2, got {num_buffers}")
         self.num_buffers = int(num_buffers)
         self.device_budget = device_budget  # as given: None, or bytes per device
+        self._given_chunk_size = chunk_size
         self.budget = Budget()
-        self.layouts: dict[tuple, StateLayout] = {}
+        for device, limit in (decided or {}).items():  # a copy keeps the original's decision
+            self.budget.set(device, limit)
+        self.buckets: dict[tuple, Bucket] = {}
+        # Per param group: (the parameters' identities and dtypes, their bucket keys and members).
+        self._groups: dict[int, tuple[tuple, dict[tuple, list[Tensor]]]] = {}
         self.runtimes: dict[torch.device, Runtime] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
         self._host_pending = False
+
+    def config(self, **changes) -> dict:
+        """The arguments that make an engine configured as this one (with `changes`); a copy of an
+        optimizer also keeps the automatic budget decided at its first step, so that it places alike."""
+        config = dict(mode=self.mode, chunk_size=self._given_chunk_size, num_buffers=self.num_buffers,
+                      device_budget=self.device_budget, decided={})
+        if self.device_budget is None and self.mode == "auto":
+            config["decided"] = dict(self.budget.limits)
+        return {**config, **changes}
 
     def runtime(self, device: torch.device) -> Runtime:
         rt = self.runtimes.get(device)
@@ -212,9 +101,6 @@ class OffloadEngine:
         return (self.mode == "auto" and self.device_budget is None and self.runtime(device).decides_budget
                 and not self.budget.decided(device))
 
-    def decide(self, device: torch.device, budget: int | None) -> None:
-        self.budget.set(device, budget)
-
     def plan_chunk_size(self, specs: tuple[StateSpec, ...]) -> tuple[int, int]:
         """The chunk size and alignment of a plan for `specs`: a block-wise state's blocks stay whole
         in every chunk (the chunk size rounded up to a multiple of the largest block)."""
@@ -226,13 +112,28 @@ class OffloadEngine:
         specs = state_specs(states)
         return self.num_buffers * buffer_regions(specs, self.plan_chunk_size(specs)[0])[1]
 
-    def layout(self, key: tuple, params: list[Tensor], states, initial: Initial) -> StateLayout:
-        """The layout of bucket `key` (its members `params`, states `states`: names or specs),
-        placed on first use."""
-        layout = self.layouts.get(key)
-        if layout is not None:
-            return layout
-        specs = state_specs(states)
+    def _initial_budget(self, device: torch.device) -> int | None:
+        """The budget where none was decided at the first step (auto on CUDA without one is)."""
+        if self.mode == "none" or (self.mode == "auto" and not self.runtime(device).decides_budget):
+            return None  # auto never streams CPU parameters' states: they are in host memory already
+        return self.device_budget if self.device_budget is not None else 0
+
+    def predict_placement(self, buckets: Sequence[tuple[tuple[StateSpec, ...], Sequence[int]]],
+                          budget: int | None) -> tuple[list[list[bool]], int]:
+        """Where the states of `buckets` ((specs, element counts), in the order they step) would
+        live under `budget` bytes (None: no limit): each bucket's resident flags, and the bytes of
+        the streaming buffers. The placement rule and the buffers' rule are the ones `step` uses."""
+        plan = Budget()
+        plan.set(None, budget)
+        flags, buffers = [], 0
+        for specs, numels in buckets:
+            resident = plan.place(None, [sum(s.nbytes(n) for s in specs) for n in numels])
+            flags.append(resident)
+            if any(n and not r for n, r in zip(numels, resident)):  # the device's buffer sets are shared
+                buffers = max(buffers, self.buffer_bytes_for(specs))
+        return flags, buffers
+
+    def _place(self, key: tuple, params: list[Tensor], specs: tuple[StateSpec, ...], backend: str) -> Bucket:
         device = params[0].device
         if not self.budget.decided(device):
             self.budget.set(device, self._initial_budget(device))
@@ -248,69 +149,145 @@ class OffloadEngine:
             if pipeline is None:
                 pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
             store = HostStateStore(plan, specs, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
-        layout = StateLayout(params, {s.name: s for s in specs}, resident, plan, store, pipeline, initial,
-                             {id(p): i for i, p in enumerate(params)}, [bool(shard_groups(p)) for p in params],
-                             rt, self.wait_host, {s.name: [None] * len(params) for s in specs})
-        self.layouts[key] = layout
+        bucket = self.buckets[key] = Bucket(params, {s.name: s for s in specs}, backend, resident, plan, store,
+                                            pipeline, rt, self.wait_host)
         self._device_peak = max(self._device_peak, self.device_bytes)
-        return layout
+        return bucket
 
-    def _initial_budget(self, device: torch.device) -> int | None:
-        """The budget where none was decided at the first step (auto on CUDA without one is)."""
-        if self.mode == "none" or (self.mode == "auto" and not self.runtime(device).decides_budget):
-            return None  # auto never streams CPU parameters' states: they are in host memory already
-        return self.device_budget if self.device_budget is not None else 0
+    def _members(self, index: int, group: dict, rules: OptimizerRules) -> dict[tuple, list[Tensor]]:
+        """The buckets of param group `index`: key -> members (every parameter of the group with the
+        key's device, dtype and states, in the group's order), kept while the group's tensors are."""
+        params = group["params"]
+        signature = tuple(map(id, params)), tuple(p.dtype for p in params)
+        known = self._groups.get(index)
+        if known is not None and known[0] == signature:
+            return known[1]
+        members: dict[tuple, list[Tensor]] = {}
+        specs_of = {}
+        for p in params:
+            specs = specs_of.get(p.dtype)
+            if specs is None:
+                specs = specs_of[p.dtype] = rules._bucket_specs(group, p.dtype)
+            members.setdefault((index, p.device, p.dtype, specs), []).append(p)
+        self._groups[index] = (signature, members)
+        return members
+
+    def storage_changed(self, groups: list[dict], rules: OptimizerRules) -> bool:
+        """True when a group's options now store its states otherwise than its placed buckets do
+        (``group["state_precision"]`` changed since the last step)."""
+        for index, _, dtype, specs in self.buckets:
+            if index < len(groups) and rules._bucket_specs(groups[index], dtype) != specs:
+                return True
+        return False
+
+    def _decide_budgets(self, groups: list[dict], rules: OptimizerRules, devices) -> None:
+        """The automatic budget of each device that has none yet (see fusedoff/offload/placement.py)."""
+        for device in devices:
+            if not self.needs_decision(device):
+                continue
+            needed, buffers = 0, 0
+            for index, group in enumerate(groups):
+                for (_, bucket_device, _, specs), members in self._members(index, group, rules).items():
+                    if bucket_device == device:
+                        needed += sum(s.nbytes(local_tensor(p).numel()) for p in members for s in specs)
+                        buffers = max(buffers, self.buffer_bytes_for(specs))
+            total, peak = self.runtime(device).memory_info()
+            self.budget.set(device, placement.auto_budget(total, peak, needed, buffers))
 
     # ---- the step ------------------------------------------------------------------------------
-    @staticmethod
-    def check_capturable(layout: StateLayout, grads: dict[int, Tensor]) -> None:
-        """Raises if this step would stream states while a CUDA graph is being captured."""
-        if layout.store is not None and any(not layout.resident[t] for t in grads) and layout.runtime.capturing():
-            raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
-                               "and host synchronisation are outside the graph); capture with every state resident "
-                               "(offload='none', or a device_budget that holds them all)")
+    def step(self, groups: list[dict], state: dict, rules: OptimizerRules,
+             scaling: Callable[[torch.device], tuple[Tensor | None, Tensor | None]]) -> None:
+        """One step of every parameter of `groups` that has a gradient. `state` is ``opt.state``;
+        `scaling(device)` the gradient divisor (GradScaler's scale, clipping) and found_inf there.
+        Everything is checked before any state or parameter changes."""
+        if self.storage_changed(groups, rules):
+            self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
+        work = []
+        for index, group in enumerate(groups):
+            rules._check_group_options(group)
+            for key, members in self._members(index, group, rules).items():
+                stepping = [t for t, p in enumerate(members) if p.grad is not None]
+                if not stepping:
+                    continue
+                bucket = self.buckets.get(key)
+                for t in stepping:
+                    rules._check_group_param(group, members[t])
+                if bucket is not None:
+                    bucket.check_layouts(stepping)
+                else:
+                    for t in stepping:
+                        check_dense(local_tensor(members[t]))
+                grads = checked_flat_grads(members, stepping)
+                work.append((group, key, members, stepping, grads))
+        self._decide_budgets(groups, rules, {key[1] for _, key, _, _, _ in work})
+        placed = []
+        for group, key, members, stepping, grads in work:
+            bucket = self.buckets.get(key)
+            if bucket is None:
+                bucket = self._place(key, members, key[3], rules._resolve_backend(group, key[1]))
+                bucket.check_layouts(stepping)
+            steps = []
+            for t in stepping:
+                steps.append(bucket.adopt_param_state(t, state))
+            bucket.follow_params(stepping)
+            placed.append((group, bucket, stepping, grads, steps))
+        for _, bucket, stepping, _, _ in placed:
+            _check_capturable(bucket, stepping)
+        for group, bucket, stepping, grads, steps in placed:
+            divisor, found_inf = scaling(bucket.device)
+            increment_steps_(steps, found_inf)
+            update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
+            self._run(bucket, update, stepping, grads, steps)
+            bucket.remember_params(stepping)
 
-    def step(self, layout: StateLayout, update: FusedUpdate, states: dict[int, dict], grads: dict[int, Tensor],
-             steps: dict[int, Tensor]) -> None:
-        """One step of `update` over the tensors of `layout` that have a gradient in `grads`
-        (position -> gradient); `states` maps them to their ``opt.state`` dicts, adopted already."""
-        layout._flat_params.clear()  # the parameters may have been replaced since the last step
-        rt = layout.runtime
+    def _run(self, bucket: Bucket, update: FusedUpdate, stepping: list[int], grads: list[Tensor],
+             steps: list[Tensor]) -> None:
+        """One step of `update` over the tensors `stepping` of `bucket` (their flat gradients and
+        step counts in `grads` and `steps`)."""
+        rt = bucket.runtime
         stats = None
         if update.stats_columns:
-            stats = torch.zeros(len(layout.params), update.stats_columns, dtype=torch.float64, device=layout.device)
-        stepping = sorted(grads)
-        resident = [t for t in stepping if layout.resident[t]]
-        chunks = []
-        if layout.store is not None:
-            chunks = [c for c in layout.plan.chunks if any(p.tensor in grads for p in c.pieces)]
-        # Produced on the main stream before this step: the gradients (backward) and the step counts.
-        rt.main_access([*grads.values(), *steps.values(), *(() if stats is None else (stats,))], write=True,
-                       what="gradients, steps and stats made on the main stream")
+            stats = torch.zeros(len(bucket.params), update.stats_columns, dtype=torch.float64, device=bucket.device)
+        resident_rows = [i for i, t in enumerate(stepping) if bucket.resident[t]]
+        if len(resident_rows) == len(stepping):
+            resident, resident_grads, resident_steps = stepping, grads, steps
+        else:
+            resident = [stepping[i] for i in resident_rows]
+            resident_grads, resident_steps = [grads[i] for i in resident_rows], [steps[i] for i in resident_rows]
+        chunks, grads_of, steps_of = [], {}, {}
+        if len(resident) < len(stepping):
+            grads_of = {t: g for t, g in zip(stepping, grads) if not bucket.resident[t]}
+            steps_of = {t: s for t, s in zip(stepping, steps) if not bucket.resident[t]}
+            chunks = [c for c in bucket.plan.chunks if any(p.tensor in grads_of for p in c.pieces)]
+        if rt.records_accesses:  # produced on the main stream before this step: gradients (backward), steps
+            rt.main_access([*grads, *steps, *(() if stats is None else (stats,))], write=True,
+                           what="gradients, steps and stats made on the main stream")
         whole_pass, spanning = chunks, []
         if len(update.phases) > 1:
-            whole_pass = [c for c in chunks if layout.plan.whole_tensors_only(c)
-                          and not any(layout.sharded[p.tensor] for p in c.pieces)]
+            whole_pass = [c for c in chunks if bucket.plan.whole_tensors_only(c)
+                          and not any(bucket.sharded[p.tensor] for p in c.pieces)]
             spanning = [c for c in chunks if c not in whole_pass]
-        inputs = [*(layout.flat_param(t) for t in stepping if not layout.resident[t]), *grads.values(),
-                  *steps.values(), *(() if stats is None else (stats,))]
+        touches = ()
+        if chunks:
+            touches = [*(bucket.flat_param(t) for t in grads_of), *grads_of.values(), *steps_of.values(),
+                       *(() if stats is None else (stats,))]
         if whole_pass:
-            self._stream(layout, update, update.phases, whole_pass, grads, steps, stats, inputs)
-        resident_calls = layout.resident_calls(resident, [states[t] for t in resident], grads, steps, stats)
+            self._stream(bucket, update, update.phases, whole_pass, grads_of, steps_of, stats, touches)
+        resident_calls = bucket.resident_calls(resident, resident_grads, resident_steps, stats) if resident else []
         for phase in update.phases:
             if spanning:
-                self._stream(layout, update, (phase,), spanning, grads, steps, stats, inputs)
+                self._stream(bucket, update, (phase,), spanning, grads_of, steps_of, stats, touches)
             for args in resident_calls:  # on the current stream, beside the pipeline's work
                 update.call(phase, args)
             if chunks:
-                layout.pipeline.join()
+                bucket.pipeline.join()
             if update.after_phase is not None:
-                update.after_phase(phase, stats, layout.params)
+                update.after_phase(phase, stats, bucket.params)
         if chunks:
             self._host_pending = True
 
-    def _stream(self, layout: StateLayout, update: FusedUpdate, phases: tuple[Phase, ...], chunks: list[Chunk],
-                grads, steps, stats, inputs) -> None:
+    def _stream(self, bucket: Bucket, update: FusedUpdate, phases: tuple[Phase, ...], chunks: list[Chunk],
+                grads, steps, stats, touches) -> None:
         if len(phases) == len(update.phases):
             read, write = update.reads, update.writes
         else:
@@ -319,11 +296,49 @@ class OffloadEngine:
 
         def compute(chunk: Chunk, buffers: dict[str, Tensor]) -> None:
             for phase in phases:
-                for args in layout.chunk_calls(chunk, buffers, grads, steps, stats):
+                for args in bucket.chunk_calls(chunk, buffers, grads, steps, stats):
                     update.call(phase, args)
 
-        layout.pipeline.run(layout.plan, layout.store, read=read, write=write, compute=compute, touches=inputs,
+        bucket.pipeline.run(bucket.plan, bucket.store, read=read, write=write, compute=compute, touches=touches,
                             chunks=chunks)
+
+    # ---- loading -------------------------------------------------------------------------------
+    def place_loaded(self, groups: list[dict], state: dict, rules: OptimizerRules) -> None:
+        """After load_state_dict (or a change of how a group stores its states): every state placed
+        afresh (budgets of 'auto' decided again at the next step), values taken from ``opt.state``
+        in the form each group keeps (`rules.loaded_states`); those that cannot be placed before
+        that step stay where they are, in fp32. Everything is converted before anything changes."""
+        self.wait_host()
+        converted = {}
+        for group in groups:
+            for p in group["params"]:
+                values = dict.get(state, p)
+                if values:
+                    converted[p] = dict(rules._loaded_states(group, p, values))
+        self.__init__(**self.config(decided={}))
+        for index, group in enumerate(groups):
+            members = self._members(index, group, rules)
+            for key, params in members.items():
+                loaded = [(t, p) for t, p in enumerate(params) if dict.get(state, p)]
+                if not loaded:
+                    continue
+                device, specs = key[1], key[3]
+                if self.needs_decision(device):
+                    fp32 = {s.name for s in specs if s.dtype == torch.float32}
+                    for _, p in loaded:
+                        values = dict.get(state, p)
+                        values.clear()
+                        values.update(converted[p])
+                        for name, value in values.items():
+                            if name in fp32 and isinstance(value, Tensor) and value.dtype != torch.float32:
+                                values[name] = value.to(torch.float32)
+                    continue
+                bucket = self.buckets.get(key) or self._place(key, params, specs, rules._resolve_backend(group, device))
+                for t, p in loaded:
+                    values = dict.get(state, p)
+                    values.clear()
+                    values.update(converted[p])
+                    bucket.adopt(t, values)
 
     def wait_host(self) -> None:
         """Blocks until every copy back to host memory has finished (before host state is read)."""
@@ -332,9 +347,9 @@ class OffloadEngine:
         for pipeline in self.pipelines.values():
             pipeline.wait_host()
         self._host_pending = False
-        for layout in self.layouts.values():  # what the host may now read (recorded by the simulator)
-            if layout.store is not None:
-                layout.runtime.host_access([s for slabs in layout.store.slabs.values() for s in slabs], write=False,
+        for bucket in self.buckets.values():  # what the host may now read (recorded by the simulator)
+            if bucket.store is not None:
+                bucket.runtime.host_access([s for slabs in bucket.store.slabs.values() for s in slabs], write=False,
                                            what="host state read after wait_host")
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -349,17 +364,17 @@ class OffloadEngine:
     @property
     def resident_bytes(self) -> int:
         total = 0
-        for layout in self.layouts.values():
-            for name in layout.names:
-                for t, obj in enumerate(layout.placed[name]):
-                    if obj is not None and layout.resident[t]:
+        for bucket in self.buckets.values():
+            for name in bucket.names:
+                for t, obj in enumerate(bucket.placed[name]):
+                    if obj is not None and bucket.resident[t]:
                         local = local_tensor(obj)
                         total += local.numel() * local.element_size()
         return total
 
     def memory_stats(self) -> dict:
         self._device_peak = max(self._device_peak, self.device_bytes)
-        stores = [layout.store for layout in self.layouts.values() if layout.store is not None]
+        stores = [bucket.store for bucket in self.buckets.values() if bucket.store is not None]
         limits = list(self.budget.limits.values())
         return {
             "host_bytes": sum(s.nbytes for s in stores),
@@ -376,14 +391,12 @@ class OffloadEngine:
         }
 
 
-def _slice(flat: Tensor, offset: int, length: int) -> Tensor:
-    return flat[offset : offset + length]
+def _check_capturable(bucket: Bucket, stepping: list[int]) -> None:
+    """Raises if this step would stream states while a CUDA graph is being captured."""
+    if bucket.store is not None and not all(bucket.resident[t] for t in stepping) and bucket.runtime.capturing():
+        raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
+                           "and host synchronisation are outside the graph); capture with every state resident "
+                           "(offload='none', or a device_budget that holds them all)")
 
 
-def _piece(buffer: Tensor, spec: StateSpec, piece) -> Tensor:
-    """A piece's part of a state's chunk buffer (its blocks, for a block-wise state: a piece starts
-    on a block, the plan being aligned to it)."""
-    return _slice(buffer, piece.chunk_offset // spec.block, spec.numel(piece.length))
-
-
-__all__ = ["ALIGN_ELEMENTS", "DEFAULT_CHUNK_SIZE", "OffloadEngine", "StateLayout"]
+__all__ = ["ALIGN_ELEMENTS", "DEFAULT_CHUNK_SIZE", "OFFLOAD_MODES", "OffloadEngine"]

@@ -24,7 +24,7 @@ from torch import Tensor
 from fusedoff.offload.plan import Chunk, ChunkPlan, round_up
 from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.store import HostStateStore
-from fusedoff.offload.update import StateSpec
+from fusedoff.offload.contract import StateSpec
 
 REGION_ALIGN_BYTES = 64  # each state's region of a buffer set starts on a cache line
 

@@ -3,9 +3,9 @@
 The engine (pipeline, store, placement) talks to a device only through a `Runtime`: side streams
 and events (record, wait, synchronize), the current ("main") stream, asynchronous copies, kernels
 launched on a stream, device buffers, page-locked host memory, keeping a tensor alive for a
-stream, memory figures, and graph capture. Three implementations:
+stream, memory figures, and graph capture. `Runtime` is that interface; three implementations:
 
-- `Runtime` itself: the host loopback for CPU parameters. Everything runs at once, in program
+- `HostRuntime`: the host loopback for CPU parameters. Everything runs at once, in program
   order; streams and events are None.
 - `CudaRuntime` (cuda_runtime.py): torch's CUDA streams and events, and page-locking host memory.
   Nothing else in the engine touches torch.cuda.
@@ -29,15 +29,86 @@ from torch import Tensor
 
 
 class Runtime:
-    """The host loopback: a device whose every operation completes when it is issued."""
+    """What the engine asks of a device. Every method but the access records must be implemented."""
 
-    decides_budget = False  # offload='auto' streams nothing here (the states are in host memory already)
+    decides_budget = False  # offload='auto' decides a budget from the device's memory at the first step
     asynchronous = False  # copies overlap the host: host memory is page-locked for them
+    records_accesses = False  # host_access/main_access are recorded (the simulator's race checker)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     # streams and events
+    def new_stream(self):
+        """A new side stream."""
+        raise NotImplementedError
+
+    def current_stream(self):
+        """The stream the user's kernels run on now ("main")."""
+        raise NotImplementedError
+
+    def record(self, stream):
+        """An event completed when `stream`'s work queued so far is done."""
+        raise NotImplementedError
+
+    def wait_event(self, stream, event) -> None:
+        """`stream`'s later work waits for `event` (None: nothing to wait for)."""
+        raise NotImplementedError
+
+    def wait_stream(self, waiter, waited) -> None:
+        """`waiter`'s later work waits for `waited`'s work queued so far."""
+        raise NotImplementedError
+
+    def synchronize(self, event) -> None:
+        """The host waits for `event`."""
+        raise NotImplementedError
+
+    # work
+    def copy(self, stream, dst: Tensor, src: Tensor) -> None:
+        """An asynchronous copy on `stream` (host <-> device, with page-locked host memory)."""
+        raise NotImplementedError
+
+    def launch(self, stream, fn: Callable[[], None], *, reads: Iterable[Tensor] = (),
+               writes: Iterable[Tensor] = ()) -> None:
+        """Runs `fn` (kernels reading `reads`, writing `writes`) on `stream`."""
+        raise NotImplementedError
+
+    # memory
+    def empty(self, numel: int) -> Tensor:
+        """A new fp32 device buffer (allocated on the main stream)."""
+        raise NotImplementedError
+
+    def keep_alive(self, tensor: Tensor, stream) -> None:
+        """The allocator must not reuse `tensor`'s memory before `stream`'s queued work is done."""
+        raise NotImplementedError
+
+    def pin(self, tensor: Tensor) -> bool:
+        """Page-locks `tensor`'s memory in place for copies to this device; False if not possible."""
+        raise NotImplementedError
+
+    def unpin(self, tensors: list[Tensor]) -> None:
+        """Unlocks tensors `pin` locked, once the copies queued on the device are done."""
+        raise NotImplementedError
+
+    def memory_info(self) -> tuple[int, int]:
+        """(total bytes, peak bytes this process allocated so far) of the device."""
+        raise NotImplementedError
+
+    def capturing(self) -> bool:
+        """True while the current stream is being captured into a graph."""
+        raise NotImplementedError
+
+    # accesses by the host and the main stream (recorded where `records_accesses`)
+    def host_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
+        pass
+
+    def main_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
+        pass
+
+
+class HostRuntime(Runtime):
+    """The host loopback: a device whose every operation completes when it is issued."""
+
     def new_stream(self):
         return None
 
@@ -45,57 +116,41 @@ class Runtime:
         return None
 
     def record(self, stream):
-        """An event completed when `stream`'s work queued so far is done."""
         return None
 
     def wait_event(self, stream, event) -> None:
-        """`stream`'s later work waits for `event` (None: nothing to wait for)."""
+        pass
 
     def wait_stream(self, waiter, waited) -> None:
-        """`waiter`'s later work waits for `waited`'s work queued so far."""
+        pass
 
     def synchronize(self, event) -> None:
-        """The host waits for `event`."""
+        pass
 
-    # work
     def copy(self, stream, dst: Tensor, src: Tensor) -> None:
-        """An asynchronous copy on `stream` (host <-> device, with page-locked host memory)."""
         dst.copy_(src)
 
     def launch(self, stream, fn: Callable[[], None], *, reads: Iterable[Tensor] = (),
                writes: Iterable[Tensor] = ()) -> None:
-        """Runs `fn` (kernels reading `reads`, writing `writes`) on `stream`."""
         fn()
 
-    # memory
     def empty(self, numel: int) -> Tensor:
-        """A new fp32 device buffer (allocated on the main stream)."""
         return torch.empty(numel, dtype=torch.float32, device=self.device)
 
     def keep_alive(self, tensor: Tensor, stream) -> None:
-        """The allocator must not reuse `tensor`'s memory before `stream`'s queued work is done."""
+        pass
 
     def pin(self, tensor: Tensor) -> bool:
-        """Page-locks `tensor`'s memory in place for copies to this device; False if not possible."""
-        return False
+        return False  # nothing to pin for: the "device" is host memory
 
     def unpin(self, tensors: list[Tensor]) -> None:
-        """Unlocks tensors `pin` locked, once the copies queued on the device are done."""
+        pass
 
     def memory_info(self) -> tuple[int, int]:
-        """(total bytes, peak bytes this process allocated so far) of the device."""
         raise NotImplementedError(f"no memory figures for {self.device}")
 
     def capturing(self) -> bool:
-        """True while the current stream is being captured into a graph."""
         return False
-
-    # accesses by the host and the main stream (recorded by the simulator only)
-    def host_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
-        pass
-
-    def main_access(self, tensors: Iterable[Tensor], *, write: bool, what: str = "") -> None:
-        pass
 
 
 # The runtime for CPU devices inside `simulate` (None: the host loopback).
@@ -110,7 +165,7 @@ def runtime_for(device: torch.device) -> Runtime:
         return CudaRuntime(device)
     if _simulated is not None and device.type == "cpu":
         return _simulated(device)
-    return Runtime(device)
+    return HostRuntime(device)
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ class _Timeline:
 class SimulatedRuntime(Runtime):
     decides_budget = True
     asynchronous = True
+    records_accesses = True
 
     def __init__(self, device: torch.device, *, seed: int = 0, total_memory: int = 2**34, peak_memory: int = 0,
                  pin_fails: bool = False, capturing: bool = False) -> None:
@@ -169,6 +170,12 @@ class SimulatedRuntime(Runtime):
         buffer = torch.full((numel,), float("nan"), dtype=torch.float32, device=self.device)  # poison
         self.main_access([buffer], write=True, what="a new buffer from the main stream's pool")
         return buffer
+
+    def keep_alive(self, tensor: Tensor, stream) -> None:
+        pass  # simulated buffers are CPU tensors the pipeline holds: nothing reuses their memory early
+
+    def unpin(self, tensors: list[Tensor]) -> None:
+        pass
 
     def pin(self, tensor: Tensor) -> bool:
         return not self.pin_fails

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.plan import Chunk, ChunkPlan
-from fusedoff.offload.update import StateSpec, state_specs
+from fusedoff.offload.contract import StateSpec, state_specs
 
 
 class HostStateStore:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from fusedoff import ops
 from fusedoff.kernels import codec
-from fusedoff.offload.update import FusedUpdate, Phase, StateSpec, UpdateArgs
+from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
 from fusedoff.sharding import is_dtensor, local_tensor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusedoff import ops
-from fusedoff.offload.update import FusedUpdate, Phase, UpdateArgs
+from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.sharding import all_reduce_over_shards_
 

@@ -1,16 +1,15 @@
 """What every fusedoff optimizer class shares: torch.optim conventions around a fused step.
 
-A subclass names its fp32 state tensors and declares its fused update (`FusedUpdate`: phases,
-the states each reads and writes, the call); this base validates input, keeps the states in
-``opt.state`` (created lazily: fp32, plus fp32 master weights for fp16/bf16 parameters), hands
-every bucket's step to the offload engine, which decides where the states live, and honours
-GradScaler's ``grad_scale``/``found_inf`` and ``clip_grad_norm_``.
+A subclass names its state tensors and declares its fused update (`FusedUpdate`: phases, the
+states each reads and writes, the call); this base validates input, keeps torch.optim's
+conventions (state_dict hooks, copies, param groups, GradScaler's ``grad_scale``/``found_inf``,
+``clip_grad_norm_``) and answers the engine's questions (`fusedoff.offload.contract.OptimizerRules`).
+The offload engine owns the rest: buckets, placement, ``opt.state`` adoption, master weights, the step.
 """
 
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -19,15 +18,13 @@ from torch.optim import Optimizer
 
 from fusedoff import ops
 from fusedoff.backends import resolve_backend
-from fusedoff.offload import OffloadEngine, placement
-from fusedoff.offload.update import FusedUpdate, StateSpec
+from fusedoff.offload import OffloadEngine
+from fusedoff.offload.contract import FusedUpdate, StateSpec
 from fusedoff.optim import checkpoint, clipping
-from fusedoff.optim.state import OptimizerState, param_state
-from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_param, check_torch_flags
-from fusedoff.sharding import local_tensor
-from fusedoff.tensor_layout import flat_view, in_layout_of
+from fusedoff.optim.state import OptimizerState
+from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_torch_flags
 
-OFFLOAD_MODES = ("auto", "none", "stream")
+MASTER = StateSpec("master_param", follows_param=True)
 
 # [note: who asks whether the step unscales]
 # torch.amp.GradScaler.step reads `_step_supports_amp_scaling`: when true it sets `grad_scale` and
@@ -55,26 +52,15 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
-        self._start_engine(dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers,
-                                device_budget=device_budget))
+        self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+        self._start_engine(self._config)
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights})
         self._wrap_state()
         self._register_hooks()
 
     def _start_engine(self, config: dict) -> None:
-        offload, budget = config["offload"], config["device_budget"]
-        if offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
-        if budget is not None:
-            if offload == "none":
-                raise ValueError("device_budget applies to offload='stream' or 'auto'; offload='none' keeps every "
-                                 "state on the device")
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-                raise ValueError(f"device_budget must be None or a number of bytes >= 0, got {budget!r}")
-        self._config = dict(config)
-        self._engine = OffloadEngine(offload, config["chunk_size"], config["num_buffers"], budget)
-        for device, limit in config.get("decided", {}).items():  # a copy keeps the original's decision
-            self._engine.decide(device, limit)
+        self._engine = OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"],
+                                     config["device_budget"], config.get("decided"))
 
     def _wrap_state(self) -> None:
         self.state = OptimizerState(self._engine.wait_host, dict.items(self.state))
@@ -91,6 +77,18 @@ class FusedOptimizer(Optimizer):
     def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
         """How those states are stored (default: fp32, one value per element)."""
         return tuple(StateSpec(name) for name in self._state_names(group))
+
+    # ---- what the engine asks (fusedoff.offload.contract.OptimizerRules) ----------------------
+    def _bucket_specs(self, group: dict, dtype: torch.dtype) -> tuple[StateSpec, ...]:
+        """The states of a parameter of `dtype` in `group`: the subclass's, and fp32 master weights
+        for fp16/bf16 parameters unless ``master_weights=False``."""
+        wanted = group["master_weights"]
+        master = dtype in LOW_PRECISION and (wanted is None or wanted)
+        return self._state_specs(group) + ((MASTER,) if master else ())
+
+    @staticmethod
+    def _resolve_backend(group: dict, device: torch.device) -> str:
+        return resolve_backend(group["backend"], device)
 
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
         """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps
@@ -137,7 +135,8 @@ class FusedOptimizer(Optimizer):
         for offload='auto' decided again at the next step). Every state is placed afresh at the
         next step, keeping its value; until then states stay where they are."""
         self._engine.wait_host()
-        self._start_engine({**self._config, "device_budget": device_budget})
+        self._config = {**self._config, "device_budget": device_budget}
+        self._start_engine(self._config)
         self._wrap_state()
 
     def memory_stats(self) -> dict:
@@ -157,8 +156,7 @@ class FusedOptimizer(Optimizer):
         # torch keeps defaults, state and param_groups only: a copy also needs the engine's
         # configuration (and the budget decided at the first step, so that it places alike).
         self._engine.wait_host()
-        decided = dict(self._engine.budget.limits) if self._config["device_budget"] is None else {}
-        return {**super().__getstate__(), "_fusedoff_config": {**self._config, "decided": decided}}
+        return {**super().__getstate__(), "_fusedoff_config": {**self._config, "decided": self._engine.config()["decided"]}}
 
     def __setstate__(self, state: dict) -> None:
         config = state.pop("_fusedoff_config", None)
@@ -171,6 +169,7 @@ class FusedOptimizer(Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         if config is not None:  # a copy (deepcopy, pickle): its own engine; states placed at its first step
+            self._config = {k: v for k, v in config.items() if k != "decided"}
             self._start_engine(config)
             self._register_hooks()
         self._wrap_state()
@@ -193,79 +192,9 @@ class FusedOptimizer(Optimizer):
             self._optimizer_load_state_dict_pre_hooks.move_to_end(self._set_aside_hook.id)
         return handle
 
-    @staticmethod
-    def _uses_master(group: dict, param: Tensor) -> bool:
-        wanted = group["master_weights"]
-        return param.dtype in LOW_PRECISION and (wanted is None or wanted)
-
-    def _bucket_specs(self, group: dict, master: bool) -> tuple[StateSpec, ...]:
-        return self._state_specs(group) + ((StateSpec("master_param"),) if master else ())
-
-    def _layout(self, group_index: int, param: Tensor):
-        """The engine layout of `param`'s bucket: the parameters of its group sharing its device,
-        dtype and master-weight setting (fixed when the bucket first steps)."""
-        group = self.param_groups[group_index]
-        master = self._uses_master(group, param)
-        key = (group_index, param.device, param.dtype, master)
-        layout = self._engine.layouts.get(key)
-        if layout is not None:
-            return layout
-        members = [p for p in group["params"]
-                   if p.device == param.device and p.dtype == param.dtype and self._uses_master(group, p) == master]
-        return self._engine.layout(key, members, self._bucket_specs(group, master), _initial_state)
-
-    def _decide_budgets(self, devices) -> None:
-        """The automatic budget of each device that has none yet (see fusedoff/offload/placement.py)."""
-        for device in devices:
-            if not self._engine.needs_decision(device):
-                continue
-            needed, buffers = 0, 0
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.device == device:
-                        specs = self._bucket_specs(group, self._uses_master(group, p))
-                        needed += sum(s.nbytes(local_tensor(p).numel()) for s in specs)
-                        buffers = max(buffers, self._engine.buffer_bytes_for(specs))
-            total, peak = self._engine.runtime(device).memory_info()
-            self._engine.decide(device, placement.auto_budget(total, peak, needed, buffers))
-
-    def _storage_changed(self) -> bool:
-        """True when a group's options now store its states otherwise than its placed layouts do
-        (``group["state_precision"]`` changed since the last step)."""
-        for (index, _, _, master), layout in self._engine.layouts.items():
-            if index < len(self.param_groups):
-                specs = self._bucket_specs(self.param_groups[index], master)
-                if tuple(layout.specs.values()) != specs:
-                    return True
-        return False
-
     def _place_loaded_states(self) -> None:
-        """After load_state_dict: every state placed afresh (budgets of 'auto' decided again at the
-        next step), values taken from ``opt.state``; those that cannot be placed before that step
-        stay where they are, in fp32."""
-        self._engine.wait_host()
-        self._start_engine({**self._config, "decided": {}})
-        converted = {}
-        for group in self.param_groups:  # everything converted before anything changes
-            for p in group["params"]:
-                state = dict.get(self.state, p)
-                if state:
-                    converted[p] = dict(self._loaded_states(group, p, state))
-        for index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                state = dict.get(self.state, p)
-                if not state:
-                    continue
-                state.clear()
-                state.update(converted[p])
-                if self._engine.needs_decision(p.device):
-                    fp32 = {s.name for s in self._bucket_specs(group, True) if s.dtype == torch.float32}
-                    for key, value in state.items():
-                        if key in fp32 and isinstance(value, Tensor) and value.dtype != torch.float32:
-                            state[key] = value.to(torch.float32)
-                    continue
-                layout = self._layout(index, p)
-                layout.adopt(layout.index[id(p)], state)
+        """After load_state_dict: every state placed afresh by the engine, values from ``opt.state``."""
+        self._engine.place_loaded(self.param_groups, self.state, self)
         self._wrap_state()
 
     # ---- the step ------------------------------------------------------------------------------
@@ -279,52 +208,12 @@ class FusedOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
 
-        # Validate everything before any state changes: a bad gradient leaves the optimizer untouched.
-        work = []
-        for index, group in enumerate(self.param_groups):
-            self._check_group_options(group)
-            buckets: dict[tuple, list[Tensor]] = defaultdict(list)
-            for p in group["params"]:
-                if p.grad is not None:
-                    buckets[(p.device, p.dtype, self._uses_master(group, p))].append(p)
-            for (device, _, master), params in buckets.items():
-                backend = resolve_backend(group["backend"], device)
-                for p in params:
-                    check_param(p)
-                    self._check_group_param(group, p)
-                work.append((index, group, device, master, params, backend))
-        if self._storage_changed():
-            self._place_loaded_states()  # states kept afresh in the groups' new form, values converted
-        self._decide_budgets({device for _, _, device, _, _, _ in work})
-        placed = []
-        for index, group, device, master, params, backend in work:
-            layout = self._layout(index, params[0])
-            states, grads, steps = {}, {}, {}
-            for p in params:
-                t = layout.index[id(p)]
-                state = states[t] = param_state(self.state, p)
-                if "step" not in state:
-                    # A new or reset state (`del opt.state[p]`): every state starts afresh, as in torch.
-                    state.clear()
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                layout.adopt(t, state)
-                grads[t] = flat_view(in_layout_of(local_tensor(p.grad), local_tensor(p)))
-                steps[t] = state["step"]
-            placed.append((group, device, master, backend, layout, states, grads, steps))
-
-        for _, _, _, _, layout, _, grads, _ in placed:
-            self._engine.check_capturable(layout, grads)
         clip = getattr(self, "_clip_coef", None)
-        for group, device, master, backend, layout, states, grads, steps in placed:
-            divisor = clipping.grad_divisor(grad_scale, clip, device)
+
+        def scaling(device: torch.device) -> tuple[Tensor | None, Tensor | None]:
             inf = found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None
-            ops.increment_steps_(list(steps.values()), inf)
-            update = self._fused_update(group, backend, divisor, inf, layout.names, layout.params)
-            self._engine.step(layout, update, states, grads, steps)
+            return clipping.grad_divisor(grad_scale, clip, device), inf
+
+        self._engine.step(self.param_groups, self.state, self, scaling)
         self._clip_coef = None  # a clip factor applies to the one step after clip_grad_norm_
         return loss
-
-
-def _initial_state(name: str, param: Tensor) -> Tensor | None:
-    """A state's starting value: master weights start as the parameter, every other state at zero."""
-    return param.detach() if name == "master_param" else None

@@ -1,4 +1,9 @@
-"""What an optimizer class tells the engine about its step: the fused call(s) and the states they touch.
+"""The optimizer-engine contract: what an optimizer class tells the engine, and nothing more.
+
+`OptimizerRules` is what the engine asks of an optimizer class: how a param group's tensors keep
+their states (`StateSpec`s), what it refuses, how a loaded state converts, and the fused update of
+one bucket for one step. The engine answers with everything else: buckets, placement, adoption of
+``opt.state``, master weights that follow the parameters, streaming.
 
 An optimizer declares, for one bucket and one step, a `FusedUpdate`: its phases in order (Adam
 one, Apollo a reduction then an apply), the states each phase reads and writes, the per-tensor
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +36,10 @@ class StateSpec:
     name: str
     dtype: torch.dtype = torch.float32
     block: int = 1
+    # A copy of the parameter kept in more precision (master weights): it starts as the parameter,
+    # and follows it when something other than the step writes the parameter (see [note: master
+    # weights follow the parameters] in bucket.py). Every other state starts at zero.
+    follows_param: bool = False
 
     def numel(self, param_numel: int) -> int:
         return -(-int(param_numel) // self.block)
@@ -83,3 +93,26 @@ class FusedUpdate:
     @property
     def writes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(n for p in self.phases for n in p.writes))
+
+
+class OptimizerRules(Protocol):
+    """What the engine asks of an optimizer class (fusedoff.optim.base.FusedOptimizer implements it)."""
+
+    def _bucket_specs(self, group: dict, dtype: torch.dtype) -> tuple[StateSpec, ...]:
+        """The states a parameter of `dtype` in `group` keeps (master weights included when kept)."""
+
+    def _check_group_options(self, group: dict) -> None:
+        """Raises if `group`'s options cannot work together."""
+
+    def _check_group_param(self, group: dict, param: Tensor) -> None:
+        """Raises if `param` cannot be stepped with `group`'s options."""
+
+    def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
+        """A loaded state in the form `group` keeps; raises before anything changes if it cannot be."""
+
+    def _resolve_backend(self, group: dict, device: torch.device) -> str:
+        """The backend a bucket of `group` on `device` runs (chosen once per bucket)."""
+
+    def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None, found_inf: Tensor | None,
+                     names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:
+        """The fused update of one bucket of `group` (states `names`, parameters `params`) for this step."""

@@ -1,0 +1,360 @@
+"""Bucket: the parameters of one param group that share a device, dtype and states, and where their
+states live.
+
+A bucket is formed when its group first steps and placed then (placement.py): each tensor's states
+are resident device tensors or views of a HostStateStore laid out by a ChunkPlan, moved through
+the device's StreamPipeline. Either way they are the entries of ``opt.state[p]`` (device tensors,
+or views of the host store, never copies), so torch's machinery sees one source of truth.
+
+The bucket follows what ``opt.state`` holds (`adopt`): a missing state starts afresh, an assigned
+tensor is taken by value into its place, an in-place edit is the state itself. It follows what
+the parameters hold too (`follow_params`, see [note: master weights follow the parameters]).
+
+[note: host cost per tensor] A step's Python work per tensor is what decides the step time of a
+model with many small tensors. What a step needs and that only changes with the tensors
+themselves (flat views of parameters and states, the fused calls' lists, the chunk pieces' views
+of the streaming buffers, the dense-layout check of a parameter) is made once and kept while
+nothing it depends on changed: the set of tensors stepping, the parameters' storage (checked by
+data pointer every step, one attribute read), and the state objects (checked by identity every
+step in `adopt`). Gradients, which are new tensors at every backward, are the only per-step views.
+
+[note: master weights follow the parameters] torch's optimizers step from what a parameter holds.
+A master weight (a `follows_param` state) is a more precise copy of its parameter, and the step
+writes the parameter as the master's rounding; anything else that writes the parameter between
+two steps (``copy_``, ``load_state_dict``, ``torch.nn.init``, an EMA swap, ``p.data = ...``) makes
+the master stale. Autograd's version counter counts every in-place write to a tensor and its
+views, and a ``.data`` assignment changes the storage: the bucket remembers both after each step
+(its own writes included) and after it sets a master, and a tensor whose counter or storage moved
+since has its master taken from the parameter before the step, other states kept. One exception
+keeps an exact master exact: where the parameter holds, bit for bit, the master's own rounding
+(the same weights written back, as when a checkpoint's model and optimizer are loaded in either
+order), the master is kept. A master loaded or assigned through ``opt.state`` is held to the same
+rule at the next step. Writes through ``.data`` (``p.data.copy_(w)``) bypass the version counter by
+design of ``.data`` and cannot be seen without reading every parameter: write parameters under
+``torch.no_grad()`` instead (the README says so).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fusedoff.offload.contract import StateSpec, UpdateArgs
+from fusedoff.offload.pipeline import StreamPipeline
+from fusedoff.offload.plan import Chunk, ChunkPlan
+from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.store import HostStateStore
+from fusedoff.sharding import like_param, local_tensor, shard_groups
+from fusedoff.tensor_layout import check_dense, flat_view
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+@dataclass
+class Bucket:
+    """The states of one bucket's tensors, resident on the device or streamed, and the caches of
+    its step (see [note: host cost per tensor])."""
+
+    params: list[Tensor]
+    specs: dict[str, StateSpec]
+    backend: str
+    resident: list[bool]
+    plan: ChunkPlan
+    store: HostStateStore | None
+    pipeline: StreamPipeline | None
+    runtime: Runtime
+    before_host_write: Callable[[], None]  # waits for queued copies back into the store
+    sharded: list[bool] = field(init=False)
+    # The object last placed in opt.state[p][name] for each tensor (None: none yet).
+    placed: dict[str, list[Tensor | None]] = field(init=False)
+    # Per tensor: (version, data pointer) of the parameter's local tensor when its master was last
+    # known to hold the parameter's value (None: to be checked at the next step).
+    watched: list[tuple[int, int] | None] = field(init=False)
+    # Per tensor: the parameter's (data pointer, shape, strides) its flat view and states were made for.
+    _layouts: list[tuple | None] = field(init=False)
+    _flat_params: list[Tensor | None] = field(init=False)
+    _flat_states: dict[str, list[Tensor | None]] = field(init=False)
+    _resident_calls: dict[tuple, list[tuple[list[int], UpdateArgs]]] = field(init=False)
+    _piece_views: dict[tuple, list[UpdateArgs]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        self.sharded = [bool(shard_groups(p)) for p in self.params]
+        self.placed = {name: [None] * n for name in self.specs}
+        self.watched = [None] * n
+        self._layouts = [None] * n
+        self._flat_params = [None] * n
+        self._flat_states = {name: [None] * n for name in self.specs}
+        self._resident_calls, self._piece_views = {}, {}
+        self.follows = tuple(name for name, spec in self.specs.items() if spec.follows_param)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.specs)
+
+    def _forget_views(self, t: int | None = None) -> None:
+        self._resident_calls.clear()
+        self._piece_views.clear()
+        if t is not None:
+            self._flat_params[t] = None
+            for views in self._flat_states.values():
+                views[t] = None
+
+    # ---- the parameters --------------------------------------------------------------------------
+    def check_layouts(self, stepping: list[int]) -> None:
+        """Raises if a stepping parameter is not dense or no longer has the layout its states were
+        placed for; forgets the views of those whose storage moved (``p.data = ...``)."""
+        layouts, params = self._layouts, self.params
+        for t in stepping:
+            local = local_tensor(params[t])
+            ptr = local.data_ptr()
+            known = layouts[t]
+            if known is not None and known[0] == ptr:
+                continue
+            check_dense(local)
+            shape, strides = tuple(local.shape), local.stride()
+            if known is not None and (known[1], known[2]) != (shape, strides):
+                raise ValueError(f"parameter {t} of this bucket was replaced by one of shape {shape} and strides "
+                                 f"{strides}, but its states were laid out for shape {known[1]} and strides {known[2]}; "
+                                 "a parameter keeps its shape and memory layout between steps (reload the optimizer "
+                                 "state after changing it: load_state_dict lays states out afresh)")
+            if known is not None:
+                self._forget_views(t)
+            layouts[t] = (ptr, shape, strides)
+
+    def flat_param(self, t: int) -> Tensor:
+        flat = self._flat_params[t]
+        if flat is None:
+            flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
+        return flat
+
+    def follow_params(self, stepping: list[int]) -> None:
+        """Master weights of parameters written since the bucket last saw them taken from the
+        parameters (see [note: master weights follow the parameters])."""
+        if not self.follows:
+            return
+        watched, params = self.watched, self.params
+        for t in stepping:
+            local = local_tensor(params[t])
+            if watched[t] != (local._version, local.data_ptr()):
+                for name in self.follows:
+                    self._take_from_param(t, name)
+                self.remember_param(t)
+
+    def remember_param(self, t: int) -> None:
+        local = local_tensor(self.params[t])
+        self.watched[t] = (local._version, local.data_ptr())
+
+    def remember_params(self, stepping: list[int]) -> None:
+        """After the step has written the parameters: their versions now are the step's own."""
+        if self.follows:
+            for t in stepping:
+                self.remember_param(t)
+
+    def _take_from_param(self, t: int, name: str) -> None:
+        local = local_tensor(self.params[t]).detach()
+        master = local_tensor(self.placed[name][t])
+        bits = _BITS[local.element_size()]
+        if self.resident[t]:
+            # On the device, without a host synchronisation: kept where the parameter holds its rounding.
+            same = (master.to(local.dtype).view(bits) == local.view(bits)).all()
+            master.copy_(torch.where(same, master, local.to(master.dtype)))
+            return
+        self.before_host_write()  # the previous step's copies back have landed
+        self.runtime.host_access([master], write=False, what=f"{name} of tensor {t} compared with its parameter")
+        on_host = local.to("cpu")  # a parameter on the device: one synchronous copy, at a write only
+        if not torch.equal(master.to(local.dtype).view(bits), on_host.view(bits)):
+            self.runtime.host_access([master], write=True, what=f"{name} of tensor {t} taken from its parameter")
+            master.copy_(on_host)
+
+    # ---- opt.state -----------------------------------------------------------------------------------
+    def adopt_param_state(self, t: int, state: dict) -> Tensor:
+        """``opt.state[params[t]]`` (read without waiting for the host: inside the step) made to hold
+        this bucket's tensors; returns its step count. A new or reset state (``del opt.state[p]``)
+        starts afresh, every state with it, as in torch."""
+        param = self.params[t]
+        values = dict.get(state, param)
+        if values is None:
+            values = {}
+            dict.__setitem__(state, param, values)
+        step = values.get("step")
+        if step is None:
+            values.clear()
+            step = values["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.adopt(t, values)
+        return step
+
+    def adopt(self, t: int, state: dict) -> None:
+        """Makes `state` (the dict ``opt.state[params[t]]``) hold this bucket's tensors for every
+        state name, keeping the values it holds: fresh where missing, by value where replaced."""
+        placed = self.placed
+        changed = False
+        for name in placed:
+            value = state.get(name)
+            if value is None or value is not placed[name][t]:
+                changed = True
+                break
+        if not changed:
+            return
+        param = self.params[t]
+        self._forget_views(t)
+        for name, spec in self.specs.items():
+            value = state.get(name)
+            if value is not None and value is placed[name][t]:
+                continue
+            if value is not None and (value.dtype != spec.dtype if spec.dtype != torch.float32
+                                      else not value.is_floating_point()):
+                raise ValueError(f"state {name!r} is kept as {spec.dtype}, got a {value.dtype} tensor")
+            if spec.follows_param:  # a fresh master is the parameter; an assigned one is checked at the step
+                self.watched[t] = None
+            if self.resident[t]:
+                state[name] = placed[name][t] = self._resident_state(spec, param, value)
+                if value is None and spec.follows_param:
+                    self.remember_param(t)
+                continue
+            local_param = local_tensor(param)
+            # The state has the parameter's strides: the store holds it in the parameter's memory order.
+            # A block-wise state (one value per block of elements) is flat.
+            shaped = self.store.view(name, t)
+            if spec.block == 1:
+                shaped = shaped.as_strided(local_param.shape, local_param.stride())
+            # The previous step's copies back cover whole chunks, this tensor's part included.
+            self.before_host_write()
+            self.runtime.host_access([shaped], write=True, what=f"{name} of tensor {t} set by the host")
+            if value is None:
+                if spec.follows_param:
+                    shaped.copy_(local_param.detach())
+                    self.remember_param(t)
+                else:
+                    shaped.zero_()
+            else:
+                local = local_tensor(value)
+                if local.numel() != shaped.numel():
+                    raise ValueError(f"state {name!r} has {local.numel()} elements, expected {shaped.numel()}")
+                shaped.copy_(local.reshape(shaped.shape))
+            state[name] = placed[name][t] = like_param(shaped, param) if spec.block == 1 else shaped
+
+    def _resident_state(self, spec: StateSpec, param: Tensor, value: Tensor | None) -> Tensor:
+        local_param = local_tensor(param)
+        start = None
+        if value is None:
+            if not spec.follows_param:  # the parameter's strides: states are walked in its memory order
+                if spec.block != 1:
+                    return torch.zeros(spec.numel(local_param.numel()), dtype=spec.dtype, device=param.device)
+                return torch.zeros_like(param, dtype=spec.dtype, memory_format=torch.preserve_format)
+            value = start = param.detach()
+        local = local_tensor(value)
+        expected = spec.numel(local_param.numel())
+        if local.numel() != expected:
+            raise ValueError(f"state {spec.name!r} has {local.numel()} elements, expected {expected}")
+        if spec.block != 1:
+            if local.dtype == spec.dtype and local.device == param.device and local.dim() == 1 and local.is_contiguous():
+                return value
+            return local.to(device=param.device, dtype=spec.dtype).reshape(-1).contiguous().clone()
+        if (start is None and local.dtype == spec.dtype and local.device == param.device
+                and local.shape == local_param.shape and local.stride() == local_param.stride()):
+            return value  # an assigned tensor fit to be the state is the state, as in torch
+        # A starting value (which may alias the parameter) or a tensor of another dtype, device or
+        # layout: a copy in place of it, with the parameter's strides.
+        copy = torch.empty_like(local_param, dtype=spec.dtype)
+        copy.copy_(local.reshape(local_param.shape))
+        return like_param(copy, param)
+
+    def _flat_state(self, name: str, t: int) -> Tensor:
+        views = self._flat_states[name]
+        flat = views[t]
+        if flat is None:
+            flat = views[t] = flat_view(local_tensor(self.placed[name][t]))
+        return flat
+
+    # ---- the fused calls ------------------------------------------------------------------------------
+    def resident_calls(self, tensors: list[int], grads: list[Tensor], steps: list[Tensor],
+                       stats: Tensor | None) -> list[UpdateArgs]:
+        """The fused calls for whole resident tensors (`grads[i]`, `steps[i]` of `tensors[i]`, the
+        gradients flat in memory order), one per gradient dtype; lists kept while nothing changed."""
+        key = (tuple(tensors), _dtypes(grads))
+        cached = self._resident_calls.get(key)
+        if cached is None:
+            rows_by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+            for i, g in enumerate(grads):
+                rows_by_dtype[g.dtype].append(i)
+            cached = []
+            for rows in rows_by_dtype.values():
+                ts = [tensors[i] for i in rows]
+                cached.append((rows, UpdateArgs(
+                    tensors=ts, params=[self.flat_param(t) for t in ts], grads=[],
+                    states={name: [self._flat_state(name, t) for t in ts] for name in self.specs},
+                    steps=[], stats=[], total_numels=[self.params[t].numel() for t in ts], offsets=[0] * len(ts))))
+            self._resident_calls[key] = cached
+        calls = []
+        for rows, args in cached:
+            calls.append(UpdateArgs(
+                tensors=args.tensors, params=args.params, grads=[grads[i] for i in rows], states=args.states,
+                steps=[steps[i] for i in rows], stats=[stats[t] for t in args.tensors] if stats is not None else [],
+                total_numels=args.total_numels, offsets=args.offsets))
+        return calls
+
+    def chunk_calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor],
+                    steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
+        """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor steps.
+        The pieces' views of the parameters and of the buffers are kept per chunk and buffer set."""
+        key = (chunk.index, tuple((name, buf.data_ptr()) for name, buf in buffers.items()))
+        cached = self._piece_views.get(key)
+        if cached is None:
+            cached = self._piece_views[key] = [
+                (p, _slice(self.flat_param(p.tensor), p.tensor_offset, p.length),
+                 {name: _piece(buf, self.specs[name], p) for name, buf in buffers.items()}) for p in chunk.pieces]
+        by_dtype: dict[torch.dtype, list] = defaultdict(list)
+        for entry in cached:
+            grad = grads.get(entry[0].tensor)
+            if grad is not None:
+                by_dtype[grad.dtype].append(entry)
+        calls = []
+        for entries in by_dtype.values():
+            pieces = [e[0] for e in entries]
+            calls.append(UpdateArgs(
+                tensors=[p.tensor for p in pieces],
+                params=[e[1] for e in entries],
+                grads=[_piece_of(grads[p.tensor], p, self.plan) for p in pieces],
+                states={name: [e[2][name] for e in entries] for name in buffers},
+                steps=[steps[p.tensor] for p in pieces],
+                stats=[stats[p.tensor] for p in pieces] if stats is not None else [],
+                total_numels=[self.params[p.tensor].numel() for p in pieces],
+                offsets=[p.tensor_offset for p in pieces],
+            ))
+        return calls
+
+
+def _dtypes(grads: list[Tensor]) -> tuple:
+    """The gradients' dtypes, as one entry when they share it."""
+    if not grads:
+        return ()
+    first = grads[0].dtype
+    if all(g.dtype == first for g in grads):
+        return (first,)
+    return tuple(g.dtype for g in grads)
+
+
+def _slice(flat: Tensor, offset: int, length: int) -> Tensor:
+    return flat[offset : offset + length]
+
+
+def _piece_of(grad: Tensor, piece, plan: ChunkPlan) -> Tensor:
+    """A piece's part of a flat gradient (the gradient itself for a piece covering its tensor)."""
+    if piece.length == plan.numels[piece.tensor]:
+        return grad
+    return grad[piece.tensor_offset : piece.tensor_offset + piece.length]
+
+
+def _piece(buffer: Tensor, spec: StateSpec, piece) -> Tensor:
+    """A piece's part of a state's chunk buffer (its blocks, for a block-wise state: a piece starts
+    on a block, the plan being aligned to it)."""
+    return _slice(buffer, piece.chunk_offset // spec.block, spec.numel(piece.length))
