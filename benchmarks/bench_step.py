@@ -68,7 +68,7 @@ import traffic  # noqa: E402
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402
 from fusedoff.offload.engine import OffloadEngine  # noqa: E402
-from fusedoff.offload.update import StateSpec, state_specs  # noqa: E402
+from fusedoff.offload.contract import StateSpec, state_specs  # noqa: E402
 from fusedoff.optim.adam import adam_state_specs  # noqa: E402
 
 OPTIMIZERS = ("adamw", "apollo")
