@@ -54,9 +54,7 @@ def make_step(name: str, count: int, numel: int, device: str, seed: int = 0):
     if name == "torch":
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     else:
-        # chunk: a few tensors per chunk, so that a streamed step runs many chunks as it would at scale
-        opt = fusedoff.AdamW(params, lr=1e-3, offload="none" if name == "resident" else "stream",
-                             chunk_size=max(16, min(numel * 8, 4 * 2**20)))
+        opt = fusedoff.AdamW(params, lr=1e-3, offload="none" if name == "resident" else "stream")
     return opt.step
 
 

@@ -39,6 +39,7 @@ from fusedoff.offload.engine import OffloadEngine
 from fusedoff.offload.plan import round_up
 from fusedoff.offload.contract import StateSpec, state_specs
 from fusedoff.optim.adam import _check_precision, adam_state_specs
+from fusedoff.optim.base import MASTER, keeps_master
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -64,8 +65,6 @@ PRESENT = {
 SETUPS = ("fusedoff", "plain", "upcast")
 OPTIMIZERS = ("adamw", "adam", "apollo")
 APOLLO_STATES = ("exp_avg_grad", "approx_hessian", "update")  # fp32, one value per element
-MASTER = StateSpec("master_param")
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 MIB = 2**20
 
 
@@ -188,28 +187,26 @@ def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool
 
 def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type, chunk_size,
                       num_buffers, device_budget) -> bool:
-    """Fills `on_device` and `host` as fusedoff places states (fusedoff/offload/placement.py):
+    """Fills `on_device` and `host` as the engine places states (OffloadEngine.predict_placement):
     buckets of one dtype and master setting in the order they first appear, each tensor's states
     and master resident while they fit in the budget. True if anything streams."""
-    # The engine's own rules for a bucket's plan and buffers (constructing one allocates nothing).
-    engine = OffloadEngine(offload, chunk_size, num_buffers, device_budget)
-    budget = None  # no limit
-    if offload == "stream" or (offload == "auto" and device_type == "cuda" and device_budget is not None):
-        budget = device_budget or 0
+    engine = OffloadEngine(offload, chunk_size, num_buffers, device_budget)  # constructing one allocates nothing
+    # offload='auto' on a GPU without a budget decides one from the device's memory at the first
+    # step: predicted as if everything fits.
+    budget = None if offload == "auto" and device_budget is None else engine.default_budget(device_type == "cuda")
     buckets: dict[tuple, list[Tensor]] = {}
     for p in params:
-        master = p.dtype in LOW_PRECISION and master_weights in (None, True)
+        master = keeps_master(p.dtype, master_weights)
         buckets.setdefault((p.dtype, master), []).append(p)
-    buffers = 0
-    for (_, master), members in buckets.items():
-        masters = (MASTER,) if master else ()
-        _, align = engine.plan_chunk_size(specs + masters)
-        streamed = False
-        for p in members:
+    kept = [specs + ((MASTER,) if master else ()) for _, master in buckets]
+    flags, buffers = engine.predict_placement([(k, [p.numel() for p in members])
+                                               for k, members in zip(kept, buckets.values())], budget)
+    for bucket_specs, members, resident in zip(kept, buckets.values(), flags):
+        masters = bucket_specs[len(specs):]
+        _, align = engine.plan_chunk_size(bucket_specs)
+        for p, fits in zip(members, resident):
             n = p.numel()
-            size = sum(s.nbytes(n) for s in specs + masters)
-            if budget is None or size <= budget:
-                budget = None if budget is None else budget - size
+            if fits:
                 on_device[STATES] += sum(s.nbytes(n) for s in specs)
                 on_device[MASTERS] += sum(s.nbytes(n) for s in masters)
             elif n:
@@ -217,9 +214,6 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, d
                 padded = round_up(n, align)
                 host[HOST_STATES] += sum(s.nbytes(padded) for s in specs)
                 host[HOST_MASTERS] += sum(s.nbytes(padded) for s in masters)
-                streamed = True
-        if streamed:  # the device's buffer sets are shared, grown to the largest bucket's
-            buffers = max(buffers, engine.buffer_bytes_for(specs + masters))
     on_device[BUFFERS] = buffers
     return bool(buffers)
 

@@ -189,7 +189,11 @@ class Bucket:
         if step is None:
             values.clear()
             step = values["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        self.adopt(t, values)
+        for name, placed in self.placed.items():  # nothing replaced: nothing to adopt
+            value = values.get(name)
+            if value is None or value is not placed[t]:
+                self.adopt(t, values)
+                break
         return step
 
     def adopt(self, t: int, state: dict) -> None:

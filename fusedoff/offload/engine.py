@@ -38,7 +38,7 @@ from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
 from fusedoff.offload.runtime import Runtime, runtime_for
 from fusedoff.offload.store import HostStateStore
-from fusedoff.sharding import local_tensor
+from fusedoff.sharding import is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
 
 OFFLOAD_MODES = ("auto", "none", "stream")
@@ -74,7 +74,7 @@ class OffloadEngine:
             self.budget.set(device, limit)
         self.buckets: dict[tuple, Bucket] = {}
         # Per param group: (the parameters' identities and dtypes, their bucket keys and members).
-        self._groups: dict[int, tuple[tuple, dict[tuple, list[Tensor]]]] = {}
+        self._groups: dict[int, tuple[tuple, dict[tuple, tuple[list[Tensor], bool]]]] = {}
         self.runtimes: dict[torch.device, Runtime] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
@@ -112,9 +112,10 @@ class OffloadEngine:
         specs = state_specs(states)
         return self.num_buffers * buffer_regions(specs, self.plan_chunk_size(specs)[0])[1]
 
-    def _initial_budget(self, device: torch.device) -> int | None:
-        """The budget where none was decided at the first step (auto on CUDA without one is)."""
-        if self.mode == "none" or (self.mode == "auto" and not self.runtime(device).decides_budget):
+    def default_budget(self, decides_budget: bool) -> int | None:
+        """The budget where none was decided from the device's memory at the first step (auto on a
+        device that `decides_budget`, without a budget given, is): None is no limit."""
+        if self.mode == "none" or (self.mode == "auto" and not decides_budget):
             return None  # auto never streams CPU parameters' states: they are in host memory already
         return self.device_budget if self.device_budget is not None else 0
 
@@ -136,7 +137,7 @@ class OffloadEngine:
     def _place(self, key: tuple, params: list[Tensor], specs: tuple[StateSpec, ...], backend: str) -> Bucket:
         device = params[0].device
         if not self.budget.decided(device):
-            self.budget.set(device, self._initial_budget(device))
+            self.budget.set(device, self.default_budget(self.runtime(device).decides_budget))
         sizes = [sum(s.nbytes(local_tensor(p).numel()) for s in specs) for p in params]
         resident = self.budget.place(device, sizes)
         numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
@@ -154,9 +155,10 @@ class OffloadEngine:
         self._device_peak = max(self._device_peak, self.device_bytes)
         return bucket
 
-    def _members(self, index: int, group: dict, rules: OptimizerRules) -> dict[tuple, list[Tensor]]:
-        """The buckets of param group `index`: key -> members (every parameter of the group with the
-        key's device, dtype and states, in the group's order), kept while the group's tensors are."""
+    def _members(self, index: int, group: dict, rules: OptimizerRules) -> dict[tuple, tuple[list[Tensor], bool]]:
+        """The buckets of param group `index`: key -> (members: every parameter of the group with the
+        key's device, dtype and states, in the group's order; whether any is sharded), kept while the
+        group's tensors are."""
         params = group["params"]
         signature = tuple(map(id, params)), tuple(p.dtype for p in params)
         known = self._groups.get(index)
@@ -169,6 +171,7 @@ class OffloadEngine:
             if specs is None:
                 specs = specs_of[p.dtype] = rules._bucket_specs(group, p.dtype)
             members.setdefault((index, p.device, p.dtype, specs), []).append(p)
+        members = {key: (params, any(map(is_dtensor, params))) for key, params in members.items()}
         self._groups[index] = (signature, members)
         return members
 
@@ -187,7 +190,7 @@ class OffloadEngine:
                 continue
             needed, buffers = 0, 0
             for index, group in enumerate(groups):
-                for (_, bucket_device, _, specs), members in self._members(index, group, rules).items():
+                for (_, bucket_device, _, specs), (members, _) in self._members(index, group, rules).items():
                     if bucket_device == device:
                         needed += sum(s.nbytes(local_tensor(p).numel()) for p in members for s in specs)
                         buffers = max(buffers, self.buffer_bytes_for(specs))
@@ -205,8 +208,9 @@ class OffloadEngine:
         work = []
         for index, group in enumerate(groups):
             rules._check_group_options(group)
-            for key, members in self._members(index, group, rules).items():
-                stepping = [t for t, p in enumerate(members) if p.grad is not None]
+            for key, (members, sharded) in self._members(index, group, rules).items():
+                raw = [p.grad for p in members]
+                stepping = [t for t, g in enumerate(raw) if g is not None]
                 if not stepping:
                     continue
                 bucket = self.buckets.get(key)
@@ -217,7 +221,7 @@ class OffloadEngine:
                 else:
                     for t in stepping:
                         check_dense(local_tensor(members[t]))
-                grads = checked_flat_grads(members, stepping)
+                grads = checked_flat_grads(members, raw, stepping, sharded)
                 work.append((group, key, members, stepping, grads))
         self._decide_budgets(groups, rules, {key[1] for _, key, _, _, _ in work})
         placed = []
@@ -317,8 +321,7 @@ class OffloadEngine:
                     converted[p] = dict(rules._loaded_states(group, p, values))
         self.__init__(**self.config(decided={}))
         for index, group in enumerate(groups):
-            members = self._members(index, group, rules)
-            for key, params in members.items():
+            for key, (params, _) in self._members(index, group, rules).items():
                 loaded = [(t, p) for t, p in enumerate(params) if dict.get(state, p)]
                 if not loaded:
                     continue

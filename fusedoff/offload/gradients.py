@@ -33,20 +33,23 @@ def check_grad(param: Tensor) -> None:
                            f"but parameter as {getattr(param, 'placements', 'a plain tensor')}")
 
 
-def checked_flat_grads(params: list[Tensor], stepping: list[int]) -> list[Tensor]:
-    """The flat gradients of `params[t]` for `t` in `stepping`, every one checked first."""
+def checked_flat_grads(params: list[Tensor], grads: list[Tensor], stepping: list[int], sharded: bool) -> list[Tensor]:
+    """The flat gradients `grads[t]` of `params[t]` for `t` in `stepping`, every one checked first
+    (`sharded`: some of `params` may be DTensors)."""
     for t in stepping:
-        p = params[t]
-        g = p.grad
-        if (g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.device != p.device or g.shape != p.shape
-                or is_dtensor(g) or is_dtensor(p)):
+        p, g = params[t], grads[t]
+        if (g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.shape != p.shape or g.is_cuda != p.is_cuda
+                or g.get_device() != p.get_device() or sharded):
             check_grad(p)  # raises where something is wrong (and checks a sharded gradient's placements)
-    grads = []
+    flat = []
     for t in stepping:
-        p = params[t]
-        g = local_tensor(p.grad)
-        if g.is_contiguous() and (g.dim() <= 1 or local_tensor(p).is_contiguous()):
-            grads.append(g.view(-1))
+        g = grads[t]
+        if sharded:
+            g, p = local_tensor(g), local_tensor(params[t])
         else:
-            grads.append(flat_view(in_layout_of(g, local_tensor(p))))
-    return grads
+            p = params[t]
+        if g.is_contiguous() and (g.dim() <= 1 or p.is_contiguous()):
+            flat.append(g.view(-1))
+        else:
+            flat.append(flat_view(in_layout_of(g, p)))
+    return flat

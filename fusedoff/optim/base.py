@@ -40,6 +40,11 @@ MASTER = StateSpec("master_param", follows_param=True)
 # skip) to the kernel.
 
 
+def keeps_master(dtype: torch.dtype, master_weights: bool | None) -> bool:
+    """Whether a parameter of `dtype` keeps fp32 master weights (``master_weights=None``: fp16/bf16 do)."""
+    return dtype in LOW_PRECISION and master_weights in (None, True)
+
+
 class FusedOptimizer(Optimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -82,9 +87,7 @@ class FusedOptimizer(Optimizer):
     def _bucket_specs(self, group: dict, dtype: torch.dtype) -> tuple[StateSpec, ...]:
         """The states of a parameter of `dtype` in `group`: the subclass's, and fp32 master weights
         for fp16/bf16 parameters unless ``master_weights=False``."""
-        wanted = group["master_weights"]
-        master = dtype in LOW_PRECISION and (wanted is None or wanted)
-        return self._state_specs(group) + ((MASTER,) if master else ())
+        return self._state_specs(group) + ((MASTER,) if keeps_master(dtype, group["master_weights"]) else ())
 
     @staticmethod
     def _resolve_backend(group: dict, device: torch.device) -> str:
