@@ -4,7 +4,7 @@ A streamed state is a view of host memory that the step's last copies back still
 ``step()`` returns (on CUDA, asynchronously). Reading a parameter's state through ``opt.state``
 first waits for those copies, once per step (a host synchronisation with the device, on the first
 read after a step only): a read after ``step()`` sees that step's values. The step itself reads
-the dicts without waiting (`param_state`).
+the dicts without waiting (the engine's `Bucket.adopt_param_state`, through ``dict``'s own methods).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from torch import Tensor
 
 
 class OptimizerState(defaultdict):
@@ -40,12 +39,3 @@ class OptimizerState(defaultdict):
         # Copies (deepcopy, pickle) are plain defaultdicts, as torch's own; the optimizer they
         # belong to wraps them again.
         return defaultdict, (dict,), None, None, iter(dict.items(self))
-
-
-def param_state(state: dict, param: Tensor) -> dict:
-    """``state[param]`` without waiting for the host (inside the step), created if missing."""
-    found = dict.get(state, param)
-    if found is None:
-        found = {}
-        dict.__setitem__(state, param, found)
-    return found
