@@ -181,7 +181,9 @@ class AdamW(Adam):
             "triton" or "torch" (pure PyTorch).
         master_weights: keep fp32 master weights for fp16/bf16 parameters (the kernel updates the
             master and writes the rounded value to the parameter). None means True for fp16/bf16
-            parameters. States are always fp32; fp16/bf16 gradients are upcast inside the kernel.
+            parameters. The master follows the parameter: a parameter written between steps
+            (``copy_``, ``load_state_dict``, ``torch.nn.init``, ``p.data = ...``) is where the
+            next step starts (see the README). fp16/bf16 gradients are upcast inside the kernel.
         offload: where states (and master weights) live. "none": on the parameters' device.
             "stream": in host memory, streamed to the parameters' device chunk by chunk through
             `num_buffers` buffers of `chunk_size` elements per state, except what fits in
