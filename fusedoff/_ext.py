@@ -176,7 +176,7 @@ def cuda_kernels_available() -> bool:
 def load_emulated_extension() -> types.ModuleType:
     """The tests' emulated CUDA kernels (backend 'cuda_emulated'): ``fusedoff._C_emulated``, built
     beside ``_C`` with FUSEDOFF_CUDA_EMULATION=1 (``make install`` does), or the module file that
-    FUSEDOFF_EMULATED_EXTENSION names (a sanitizer build: tests/sanitize_emulation.py). It
+    FUSEDOFF_EMULATED_EXTENSION names (a sanitizer build: tools/sanitize_emulation.py). It
     registers ``torch.ops.fusedoff_emulated``; raises NativeExtensionUnavailable without one."""
     path = os.environ.get("FUSEDOFF_EMULATED_EXTENSION")
     if path:

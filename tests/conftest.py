@@ -1,7 +1,16 @@
 import os
 
-import pytest
-import torch
+# OpenMP threads that wait at a barrier sleep instead of spinning. The tests run many small torch ops
+# (references, oracles) on a shared machine with few cores: with spinning waiters, a parallel region
+# whose other thread has been descheduled stalls the region, and small-op tests ran ~3x slower
+# than with one thread (tests/test_apollo.py: 51 s with 2 spinning threads, 17 s passive, 17 s with one
+# thread). Passive waiting keeps every kernel exactly as multi-threaded as before (fusedoff's CPU
+# kernels use torch's thread count) and changes no result. It must be set before libgomp is loaded,
+# that is before torch is first imported; an OMP_WAIT_POLICY already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The GPU suite's per-test time limit and progress file (--test-timeout, --test-progress).
 from tests.per_test_timeout import *  # noqa: F401,F403 (its hooks, listed in its __all__)

@@ -1,6 +1,6 @@
 """The packages some tests need and fusedoff does not: a test module (or a test) that needs one skips,
 saying which and why, where it is not installed, as on the GPU machine's image (no expecttest, see
-benchmarks/gpu_image_packages.txt) or a user's plain `pip install fusedoff pytest`.
+benchmarks/gpu_suite/image_packages.txt) or a user's plain `pip install fusedoff pytest`.
 
 The skip asks only whether the package is there (importlib.util.find_spec), never whether importing it
 works: a package that is installed but broken fails its tests as before. make test's venv holds every

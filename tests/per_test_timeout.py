@@ -9,11 +9,11 @@ loads it elsewhere.
                            every thread's stack and ends the process.
   --test-progress=FILE     "start NODEID" before and "done OUTCOME NODEID" after each test (passed,
                            skipped, failed, timed-out), and those stacks: a last line "start ..."
-                           names the test the process died in, and benchmarks/suite_tests.py runs
+                           names the test the process died in, and benchmarks/gpu_suite/cuda_tests.py runs
                            pytest again without it and the tests done.
 
 pytest-timeout is not used: it is on the GPU machine's image (and so in the rehearsal's venv, see
-benchmarks/gpu_image_packages.txt), but not in make test's venv, where this plugin's own tests run.
+benchmarks/gpu_suite/image_packages.txt), but not in make test's venv, where this plugin's own tests run.
 """
 
 from __future__ import annotations

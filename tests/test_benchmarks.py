@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_step  # noqa: E402
-import targets  # noqa: E402
 import timing  # noqa: E402
 import traffic  # noqa: E402
+from gpu_suite import targets  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import ops  # noqa: E402

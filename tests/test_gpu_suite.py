@@ -16,14 +16,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu_suite"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_step  # noqa: E402
-import gpu_image  # noqa: E402
 import peers  # noqa: E402
-import suite_build  # noqa: E402
-import suite_tests  # noqa: E402
 import timing  # noqa: E402
 import traffic  # noqa: E402
+from gpu_suite import cuda_tests, image_packages, jit_build  # noqa: E402
 
 from fusedoff import _ext  # noqa: E402
 from tests.optional_packages import OPTIONAL  # noqa: E402
@@ -51,12 +50,12 @@ def test_no_jit_reports_unavailable_at_once_beside_a_stale_lock(own_extension_di
 
 
 def test_a_build_stopped_at_its_limit_leaves_no_lock_and_no_process(own_extension_dir, monkeypatch, capsys):
-    """suite_build.py with a stand-in for torch's JIT: it takes the lock, starts a 'compiler' in its
+    """jit_build.py with a stand-in for torch's JIT: it takes the lock, starts a 'compiler' in its
     process group, writes half a module and never finishes."""
     name, _ = _ext.jit_plan()
     build_dir = own_extension_dir / name
     pid_file = own_extension_dir / "compiler.pid"
-    monkeypatch.setattr(suite_build, "CHILD", textwrap.dedent(f"""
+    monkeypatch.setattr(jit_build, "CHILD", textwrap.dedent(f"""
         import pathlib, subprocess, time
         build_dir = pathlib.Path({str(build_dir)!r})
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +66,7 @@ def test_a_build_stopped_at_its_limit_leaves_no_lock_and_no_process(own_extensio
         time.sleep(300)
     """))
     start = time.monotonic()
-    assert suite_build.main(["--ext-dir", str(own_extension_dir), "--limit-s", "1", "--limit-from", "compile"]) == 124
+    assert jit_build.main(["--ext-dir", str(own_extension_dir), "--limit-s", "1", "--limit-from", "compile"]) == 124
     assert time.monotonic() - start < 60
     assert not (build_dir / "lock").exists() and not (build_dir / f"{name}.so").exists()
     compiler = int(pid_file.read_text())
@@ -86,8 +85,8 @@ def running(pid: int) -> bool:
 
 
 def test_a_failed_build_is_reported_once(own_extension_dir, monkeypatch, capsys):
-    monkeypatch.setattr(suite_build, "CHILD", "raise SystemExit('error: expected ; before }')")
-    assert suite_build.main(["--ext-dir", str(own_extension_dir), "--limit-s", "60"]) == 1
+    monkeypatch.setattr(jit_build, "CHILD", "raise SystemExit('error: expected ; before }')")
+    assert jit_build.main(["--ext-dir", str(own_extension_dir), "--limit-s", "60"]) == 1
     assert "FAILED" in capsys.readouterr().out
 
 
@@ -105,7 +104,7 @@ def test_per_test_timeouts_and_a_hung_test(tmp_path):
     """))
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "suite_tests.py"), "--paths", str(tmp_path / "test_hangs.py"),
+        [sys.executable, str(SUITE / "cuda_tests.py"), "--paths", str(tmp_path / "test_hangs.py"),
          "--timeout-s", "1", "--grace-s", "1", "--pytest-args",
          f"-p tests.per_test_timeout --rootdir {tmp_path} -c /dev/null"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -119,17 +118,17 @@ def test_per_test_timeouts_and_a_hung_test(tmp_path):
 def test_progress_file_reading(tmp_path):
     progress = tmp_path / "p.txt"
     progress.write_text("start a::x\ndone passed a::x\nstart a::y[1 2]\ndone failed a::y[1 2]\nstart a::z\n")
-    done, running = suite_tests.read_progress(progress)
+    done, running = cuda_tests.read_progress(progress)
     assert done == {"a::x": "passed", "a::y[1 2]": "failed"} and running == "a::z"
-    assert suite_tests.summary(done, ["a::z"]) == "1 passed, 1 failed (y[1 2]), 1 hung (z)"
+    assert cuda_tests.summary(done, ["a::z"]) == "1 passed, 1 failed (y[1 2]), 1 hung (z)"
 
 
 def test_real_stream_tests_run_first():
-    assert list(suite_tests.GROUPS)[0] == "streams"
-    marker, paths, _ = suite_tests.GROUPS["streams"]
+    assert list(cuda_tests.GROUPS)[0] == "streams"
+    marker, paths, _ = cuda_tests.GROUPS["streams"]
     assert set(paths) == {"tests/test_offload.py", "tests/test_optimizer_state.py", "tests/test_memory.py"}
     assert all((ROOT / p).is_file() for p in paths)
-    _, _, left_out = suite_tests.GROUPS["kernels"]
+    _, _, left_out = cuda_tests.GROUPS["kernels"]
     assert set(left_out) == set(paths)  # every other cuda test runs in the next group, the stream ones once
 
 
@@ -202,7 +201,7 @@ def test_csv_is_replaced_whole(tmp_path):
 def test_environment_report_runs_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("the GPU suite prints it on a GPU")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_env.py")], capture_output=True,
+    result = subprocess.run([sys.executable, str(SUITE / "machine.py")], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"torch {torch.__version__}" in result.stdout
@@ -212,14 +211,14 @@ def test_environment_report_runs_without_a_gpu():
 # ---- item 7: the GPU machine's own packages -----------------------------------------------------------------
 
 def test_the_image_packages_are_pinned_and_in_the_image():
-    pinned, image = gpu_image.read()
+    pinned, image = image_packages.read()
     assert {"torch", "triton", "pytest", "numpy", "setuptools", "ninja"} <= set(pinned)
     assert pinned["torch"] == "2.11.0" and pinned["triton"] == "3.6.0"
     assert all(version for version in pinned.values()), pinned  # each one pinned
     assert set(pinned) <= image
     assert not {"expecttest", "deepspeed", "torchao", "bitsandbytes"} & image
     present = {"torch": "2.11.0", "Py_CPUInfo": "9.0.0", "py-cpuinfo2": "10.1.1", "expecttest": "0.3.0"}
-    assert gpu_image.not_in_image(image, present) == ["expecttest 0.3.0", "py-cpuinfo2 10.1.1"]
+    assert image_packages.not_in_image(image, present) == ["expecttest 0.3.0", "py-cpuinfo2 10.1.1"]
 
 
 def test_optional_packages_are_all_in_make_tests_venv():

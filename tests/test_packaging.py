@@ -56,7 +56,8 @@ def test_sdist_carries_the_sources_the_build_and_the_tests_need(sdist):
     wanted = {str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.is_file()}
     wanted |= {str(p.relative_to(ROOT)) for p in (ROOT / "fusedoff").rglob("*.py")}
     wanted |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")}
-    wanted |= {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")}
+    wanted |= {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py")}
+    wanted |= {"benchmarks/gpu_suite/image_packages.txt"}
     wanted |= {"setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "constraints.txt", "constraints-oldest.txt"}
     assert any(name.endswith(".h") for name in wanted) and any(name.endswith(".cu") for name in wanted)
     assert wanted - names == set()

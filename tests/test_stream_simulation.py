@@ -9,7 +9,7 @@ step the test does what training code does next on the main stream: the forward 
 parameters, zero_grad writes the gradients in place; the checker must find every such access
 ordered after the step's work.
 
-`python tests/stream_mutations.py` removes each wait and event record of the engine in turn and
+`python tools/stream_mutations.py` removes each wait and event record of the engine in turn and
 checks that these tests fail.
 """
 

@@ -21,9 +21,10 @@ static_assert(kBlockElements % kQuantBlock == 0, "a thread's work is whole 8-bit
 // NOTE: the loops below run inside isa.h's per-ISA wrappers, but `#pragma omp simd` is lowered
 // where it is written, in this body, which has no target attribute: there an `omp simd`
 // reduction, or a local passed by reference (as adam_update's arguments are), becomes a per-lane
-// array sized for the baseline ISA, and the AVX-512 loop ran 4-6x slower (GCC 12: 11 ns/element
-// instead of 1.8 on one core). So the update is called by value, no loop has a reduction clause,
-// and the block's scale is a separate integer max loop (which GCC vectorises as a plain loop).
+// array sized for the baseline ISA, and the AVX-512 loop ran several times slower (see 'CPU kernel
+// tuning' in benchmarks/results/RESULTS.md). So the update is called by value, no loop has a
+// reduction clause, and the block's scale is a separate integer max loop (which GCC vectorises as a
+// plain loop).
 struct Updated {
   float param, exp_avg, exp_avg_sq;
 };

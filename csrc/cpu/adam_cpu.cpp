@@ -15,11 +15,9 @@ namespace {
 
 // NOTE: software prefetch, `kPrefetchDistance` elements ahead in every stream, issued once per
 // `kPrefetchChunk` elements. The loop's divisions and square root keep few iterations in flight,
-// so the hardware prefetchers alone left it short of memory-level parallelism. Measured on 2 Zen3
-// cores (AVX2, KVM guest), 64M params, median of 25 interleaved steps on the same buffers, under
-// load from other processes: fp32 85 -> 73 ms (torch fused AdamW: 83 ms), bf16 param + grad with
-// fp32 master 108 -> 100 ms; 1 thread (CPU time, 32M): bf16/master 51 -> 45 ms, fp32 unchanged.
-// Distances from 128 to 1024 elements measured the same within the noise.
+// so the hardware prefetchers alone left it short of memory-level parallelism; prefetching made
+// the step faster, and any distance from 128 to 1024 elements did as well (the figures: see
+// 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
 constexpr int64_t kPrefetchChunk = 64;
 constexpr int64_t kPrefetchDistance = 512;
 
@@ -34,9 +32,8 @@ FUSEDOFF_INLINE void prefetch_lines(const T* data, int64_t begin, int64_t end) {
 // NOTE: without a grad scale (or with a scale of exactly 1) the loop passes adam_update the
 // constant 1.0f, and the compiler drops `grad / grad_scale`: x / 1.0f == x for every float, so the
 // results are bitwise those of the scaled loop, minus one of three vdivps per 8 elements (divisions
-// and the square root share one unit). L1-resident, 1 thread: 0.77 -> 0.64 ns/element (fp32),
-// 1.18 -> 1.10 (bf16 param + grad, fp32 master); at 64M, 2 threads, as below: 85.6 -> 84.9 ms (fp32,
-// memory-bound) and 116 -> 108 ms (bf16/master).
+// and the square root share one unit; the figures: see 'CPU kernel tuning' in
+// benchmarks/results/RESULTS.md).
 // NOTE: `s` is a local copy so that the compiler keeps the scalars in registers: through the
 // pointer it reloaded and re-broadcast all ten in every iteration (a float store may alias them).
 template <typename P, typename G, bool kAmsgrad, bool kMaster, bool kScaled>

@@ -51,7 +51,7 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
 #pragma omp simd reduction(+ : sum_d4, sum_yd, sum_bdd, nan_count) reduction(max : max_abs_y)
   for (int64_t i = a.begin; i < a.end; ++i) {
     // NOTE: the parameter is read through local restrict pointers: through `t` (load_param) GCC
-    // left this loop scalar (L2 reduce, 16M fp32, 2 threads: 41.6 ms scalar, 19.6 ms vectorised).
+    // left this loop scalar, about half as fast (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
     const float p = kL2 ? (kMaster ? master[i] : load_float(param + i)) : 0.0f;
     const float g = apollo_grad(load_float(grad + i), p, a.grad_scale, s);
     float d4, yd, bdd, abs_y;

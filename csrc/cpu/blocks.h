@@ -33,7 +33,8 @@ std::vector<WorkBlock> split_into_blocks(const TensorPtrs* tensors, int64_t n) {
 
 // fn(index, block) for every block on up to `num_threads` threads.
 // NOTE: static, not dynamic: on a multi-socket host each thread then updates the same part of the
-// state every step (NUMA first touch). Dynamic scheduling measured no better here, even under load.
+// state every step (NUMA first touch), and dynamic scheduling was no faster on this repository's CPU
+// machine, even under load (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
 template <typename Fn>
 void for_each_block(int num_threads, const std::vector<WorkBlock>& blocks, Fn&& fn) {
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());

@@ -82,8 +82,9 @@ static_assert(sizeof(ApolloPartials) == 4 * sizeof(float) &&
 // the host.
 constexpr int kApolloVectorElements = 8;
 
-// NOTE: not measured yet (written on a machine without a GPU). The combine reads 16 bytes per 16K
-// elements reduced; 256 threads keep a 2^31-element tensor's 131072 partials to 512 per thread.
+// NOTE: the combine reads 16 bytes per 16K elements reduced; 256 threads keep a 2^31-element
+// tensor's 131072 partials to 512 per thread (not timed: see 'GPU launch shapes' in
+// benchmarks/results/RESULTS.md).
 constexpr int kCombineThreads = 256;
 
 // The partials [begin, end) of a slot's `blocks` (>= 1) that combine thread `thread` sums: contiguous

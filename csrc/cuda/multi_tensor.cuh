@@ -38,10 +38,11 @@
 namespace fusedoff {
 namespace multi_tensor {
 
-// NOTE: not measured yet (written on a machine without a GPU). 256 threads and 16K elements per
-// block: 16 (fp32) or 8 (16-bit params or grads) vector steps per thread, enough blocks that a
-// 16M-element tensor fills two waves of an H100/H200, and a per-block prologue (a search over the
-// table and two double pows, about 1 us) that is a few percent of the block's memory time.
+// NOTE: 256 threads and 16K elements per block: 16 (fp32) or 8 (16-bit params or grads) vector
+// steps per thread, enough blocks that a 16M-element tensor fills two waves of an H100/H200, and a
+// per-block prologue (a search over the table and two double pows) that is a few percent of the
+// block's memory time. A choice by reasoning, not by timing (see 'GPU launch shapes' in
+// benchmarks/results/RESULTS.md).
 constexpr int kThreads = 256;
 constexpr int kChunkElements = 16384;
 constexpr int64_t kMaxBlocksPerLaunch = 2147483647;  // gridDim.x limit

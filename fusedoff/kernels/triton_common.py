@@ -14,7 +14,8 @@ import triton.language as tl
 from torch import Tensor
 
 # NOTE: 1024 elements x 4 warps is the usual shape for a memory-bound elementwise kernel (8 elements
-# per thread: two 16-byte loads per fp32 stream). Not measured yet: no GPU was at hand.
+# per thread: two 16-byte loads per fp32 stream); not timed (see 'GPU launch shapes' in
+# benchmarks/results/RESULTS.md).
 BLOCK_SIZE = 1024
 NUM_WARPS = 4
 

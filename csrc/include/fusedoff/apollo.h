@@ -92,7 +92,7 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float nan_max(float acc, float x) { return 
 
 // Pass 1, one element: accumulates into a range's partials. Acc is the accumulator type: the host
 // kernel uses double, because summing n near-equal fp32 values sequentially is biased by up to
-// n/2 ulps (measured: sum D of 4097 elements 3e-6 off in fp32, 1e-16 in double).
+// n/2 ulps (see 'Apollo accumulation precision' in benchmarks/results/RESULTS.md).
 template <typename Acc>
 struct ApolloPartialsT {
   Acc sum_d4;
@@ -145,8 +145,8 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE ApolloStepConstants apollo_step_constants(c
   const double den = sqrt(sqrt(stats[kSumD4])) + e;
   // NOTE: the unrounded alpha, as the reference computes delta and eps / alpha in double: rounding
   // alpha to fp32 first can flip delta's own rounding, and where B + delta * v cancels that one ulp
-  // became several ulps of B and d (measured: d 2.7e-6 off the float64 oracle vs the fp32
-  // reference's 7.6e-7).
+  // became several ulps of B and d (see 'Apollo accumulation precision' in
+  // benchmarks/results/RESULTS.md).
   const double alpha = s.alpha_exact;
   c.alpha = s.alpha;
   c.curr_lr = s.curr_lr;

@@ -1,9 +1,9 @@
 """Does the test suite catch realistic bugs? Plants each mutation below, one at a time, in a scratch copy.
 
-    .venv/bin/python tests/mutation_check.py                # every mutation: "N of M mutations caught"
-    .venv/bin/python tests/mutation_check.py --list         # the mutations and the tests each runs
-    .venv/bin/python tests/mutation_check.py --only NAME... # some of them
-    .venv/bin/python tests/mutation_check.py --check        # only that every mutation still applies
+    .venv/bin/python tools/mutation_check.py                # every mutation: "N of M mutations caught"
+    .venv/bin/python tools/mutation_check.py --list         # the mutations and the tests each runs
+    .venv/bin/python tools/mutation_check.py --only NAME... # some of them
+    .venv/bin/python tools/mutation_check.py --check        # only that every mutation still applies
 
 Each mutation replaces one exact piece of text of one file (the text must occur exactly once: a
 mutation whose text has changed is reported as stale, never silently skipped) and runs the test

@@ -16,9 +16,9 @@ GPU targets (an H200; "1B" is the largest size measured, normally 1G = 1.07e9 pa
 CPU figures (this repository's CPU machine): fusedoff vs torch's fused AdamW, and the streaming engine's
 loopback overhead against offload='none', per size.
 
-    python3 benchmarks/targets.py OUTDIR                    # gpu_suite.sh's verdict, from OUTDIR/stages.tsv + CSV
-    python3 benchmarks/targets.py OUTDIR --publish benchmarks/results   # a GPU run's CSV, PNG and sections into
-                                                                       # results/ and its RESULTS.md
+    python3 benchmarks/gpu_suite/targets.py OUTDIR     # gpu_suite.sh's verdict, from OUTDIR/stages.tsv + CSV
+    python3 benchmarks/gpu_suite/targets.py OUTDIR --publish benchmarks/results
+        # a GPU run's CSV, PNG and sections into results/ and its RESULTS.md
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # benchmarks/, for timing
 import timing  # noqa: E402
 
 ONE_BILLION = 1e9
@@ -292,7 +292,7 @@ def publish(out_dir: Path, results_dir: Path) -> None:
                         or "H200" in line or "H100" in line)
     timing.update_results_section(results, "gpu_suite", f"""## gpu_suite: the one-shot GPU check, every target beside its figure
 
-- command: `bash benchmarks/gpu_suite.sh OUTDIR`, then `python3 benchmarks/targets.py OUTDIR --publish benchmarks/results`
+- command: `bash benchmarks/gpu_suite.sh OUTDIR`, then `python3 benchmarks/gpu_suite/targets.py OUTDIR --publish benchmarks/results`
 - machine (from suite.log):
 
 {machine}

@@ -4,13 +4,13 @@
 # here (pip reaches the registry), then carry the folder with the GPU run; gpu_suite.sh installs whatever
 # *.whl it finds in $PEER_WHEELS (default .whl) into a temporary folder, and each peer stays optional.
 #
-#   bash benchmarks/peer_wheels.sh [DIR]         # default .whl (added to .git/info/exclude)
-#   bash benchmarks/peer_wheels.sh .whl nobnb    # without bitsandbytes (its wheel is ~45 MB of the 64 MiB a
+#   bash benchmarks/gpu_suite/peer_wheels.sh [DIR]         # default .whl (added to .git/info/exclude)
+#   bash benchmarks/gpu_suite/peer_wheels.sh .whl nobnb    # without bitsandbytes (its wheel is ~45 MB of the 64 MiB a
 #                                                # GPU run may carry)
 #
 # DeepSpeed is published as source only: its pure-Python wheel is built here (its ops build at run time).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dir=${1:-.whl}
 mkdir -p "$dir"
 pip=${PIP:-.venv/bin/pip}

@@ -6,7 +6,7 @@ wait before writing into the store), this script copies the package to a scratch
 that one line's effect, runs tests/test_stream_simulation.py against the copy, and reports whether
 the tests failed (caught: by the race checker, or by a wrong value) or passed (missed).
 
-    .venv/bin/python tests/stream_mutations.py            # prints "N of M single-wait removals caught"
+    .venv/bin/python tools/stream_mutations.py            # prints "N of M single-wait removals caught"
 
 Exit status 0 when every removal is caught. It takes a few minutes (a missed removal runs the
 whole simulation file); it is not part of every CI run.

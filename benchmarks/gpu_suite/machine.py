@@ -7,7 +7,7 @@ host tensor (what fusedoff/offload/store.py does with its slabs) and torch's own
 to pageable memory, its copies become synchronous, and the streamed figures mean something else: the
 probe says so, with one timed 64 MiB host-to-device copy from pinned and from pageable memory.
 
-    python3 benchmarks/suite_env.py
+    python3 benchmarks/gpu_suite/machine.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Runs the `emulated` tests under ThreadSanitizer and under AddressSanitizer + UBSan.
 
-    python tests/sanitize_emulation.py [--sanitizer thread|address|all] [--build-dir DIR]
+    python tools/sanitize_emulation.py [--sanitizer thread|address|all] [--build-dir DIR]
                                        [--planted | --no-planted] [-- PYTEST ARGS]
 
 For each sanitizer it builds fusedoff._C_emulated (the CUDA kernels on the host, csrc/emulation)

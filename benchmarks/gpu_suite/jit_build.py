@@ -9,7 +9,7 @@ load would wait on it for ever) and a module the linker may have left half writt
 be the suite's own (--ext-dir, exported as TORCH_EXTENSIONS_DIR): no other process builds there, so a
 lock in it belongs to this build, or to an earlier one of the suite that was killed.
 
-    python3 benchmarks/suite_build.py --ext-dir DIR --limit-s 270
+    python3 benchmarks/gpu_suite/jit_build.py --ext-dir DIR --limit-s 270
 
 Exit status: 0 built, 1 failed (the compiler's error is in the output), 124 timed out.
 """
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import time
 start = time.time()

@@ -11,10 +11,10 @@ the run goes on; a test stuck where the timeout cannot reach it (in C, a CUDA sy
 returns) ends the process after the grace, and the run starts again without that test and those done
 (at most --restarts times). Each hung test's stacks are printed into the log.
 
-    python3 benchmarks/suite_tests.py streams [--timeout-s 60] [--deadline-s 100]
-    python3 benchmarks/suite_tests.py streams kernels triton --collect-only   # the order they would run in,
+    python3 benchmarks/gpu_suite/cuda_tests.py streams [--timeout-s 60] [--deadline-s 100]
+    python3 benchmarks/gpu_suite/cuda_tests.py streams kernels triton --collect-only   # the order they would run in,
                                                                               # and modules skipped whole
-    python3 benchmarks/suite_tests.py --paths tests/test_x.py --timeout-s 2   # any files, no marker
+    python3 benchmarks/gpu_suite/cuda_tests.py --paths tests/test_x.py --timeout-s 2   # any files, no marker
 
 Exit status: 0 when every test passed or skipped, 1 when one failed, timed out or hung.
 """
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAM_FILES = ("tests/test_offload.py", "tests/test_optimizer_state.py", "tests/test_memory.py")
 GROUPS = {  # name: (marker expression, paths, paths left out)
     "streams": ("cuda and not triton", STREAM_FILES, ()),

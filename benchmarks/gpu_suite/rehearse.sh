@@ -5,13 +5,13 @@
 # failures the GPU run must survive are forced.
 #
 # The GPU machine's image is fixed (no internet): torch 2.11.0, triton 3.6.0, Python 3.12, no expecttest,
-# deepspeed, torchao or bitsandbytes. benchmarks/gpu_image_packages.txt lists what of it the suite uses and
+# deepspeed, torchao or bitsandbytes. benchmarks/gpu_suite/image_packages.txt lists what of it the suite uses and
 # every distribution the image holds; every check here runs with the python of a venv (.venv-gpu-image,
 # made from that file with Python 3.12 where there is one, and kept while the file is unchanged) that
 # holds those packages and nothing else, so a package the suite needs and the image lacks fails here.
 #
 #   check (in order) what it shows
-#   image-packages the venv holds the file's versions and no distribution the image lacks (gpu_image.py)
+#   image-packages the venv holds the file's versions and no distribution the image lacks (image_packages.py)
 #   build-timeout  a JIT build stopped at its limit in mid-compile (--limit-s 3 counted from the compile)
 #                  leaves no lock, no module and no compiler behind; then, beside a stale lock planted
 #                  where torch <= 2.11 would wait on it for ever, a load with FUSEDOFF_NO_JIT=1 reports
@@ -24,7 +24,7 @@
 #                  fail it), and which modules skipped for a package the image lacks
 #   test-order     that order: test_offload, test_optimizer_state, test_memory before any other cuda test
 #   verdict        the suite printed its stages and the targets table
-#   test-timeouts  under suite_tests.py: a test past --test-timeout fails and the run goes on; a test stuck
+#   test-timeouts  under cuda_tests.py: a test past --test-timeout fails and the run goes on; a test stuck
 #                  where the signal cannot reach it ends its pytest, which starts again without it, and the
 #                  test after it runs
 #   bench-kill     a dry-run bench (loading the suite's build with FUSEDOFF_NO_JIT=1) killed with SIGKILL
@@ -39,7 +39,7 @@
 # Exit status 1 if any check fails. It prints each check, then a table, and the time it took.
 set -uo pipefail
 {  # read whole before it runs: an edit to this file during a rehearsal cannot change the rehearsal
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:-${OUT:-${TMPDIR:-/tmp}/fusedoff_gpu_suite_rehearsal}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 rm -rf "$out/suite"
@@ -54,7 +54,7 @@ check() {  # check NAME PASS(0/1/2: not run) DETAIL
 }
 
 # ---- the GPU image's packages, in a venv of their own ----------------------------------------------------
-packages=benchmarks/gpu_image_packages.txt
+packages=benchmarks/gpu_suite/image_packages.txt
 venv_s=0
 made=0
 if [ -n "${PYTHON:-}" ]; then
@@ -82,7 +82,7 @@ else
   fi
   py=$venv/bin/python
 fi
-"$py" benchmarks/gpu_image.py > "$out/image-packages.log" 2>&1
+"$py" benchmarks/gpu_suite/image_packages.py > "$out/image-packages.log" 2>&1
 rc=$?
 found=$(tr '\n' ' ' < "$out/image-packages.log" | cut -c1-700)
 if [ "$made" != 0 ]; then
@@ -108,7 +108,7 @@ echo "== rehearsal of the GPU suite in $repo ($(date -u +%FT%TZ), $(nproc) CPUs,
 
 # ---- build-timeout ------------------------------------------------------------------------------------
 ext=$scratch/ext-stopped
-(cd "$repo" && "$py" benchmarks/suite_build.py --ext-dir "$ext" --limit-s 3 --limit-from compile) \
+(cd "$repo" && "$py" benchmarks/gpu_suite/jit_build.py --ext-dir "$ext" --limit-s 3 --limit-from compile) \
   > "$out/build-timeout.log" 2>&1
 rc=$?
 build_dir=$(ls -d "$ext"/fusedoff_C_* 2> /dev/null | head -n 1)
@@ -117,7 +117,7 @@ sleep 1
 compilers=$(pgrep -f -- "$repo/csrc" | tr '\n' ' ')
 ok=1
 [ "$rc" = 124 ] && [ -n "$build_dir" ] && [ -z "$left" ] && [ -z "$compilers" ] && grep -q "took its lock" "$out/build-timeout.log" && ok=0
-check build-timeout-stop "$ok" "suite_build.py exit $rc (124: timed out); left behind: ${left:-nothing}; compilers still running: ${compilers:-none}"
+check build-timeout-stop "$ok" "jit_build.py exit $rc (124: timed out); left behind: ${left:-nothing}; compilers still running: ${compilers:-none}"
 touch "$build_dir/lock"  # what a build killed under torch <= 2.11 leaves: later loads would wait on it for ever
 start=$(date +%s)
 (cd "$repo" && FUSEDOFF_NO_JIT=1 TORCH_EXTENSIONS_DIR=$ext timeout 120 "$py" -c "
@@ -193,7 +193,7 @@ def test_3_stuck_in_c():  # SIGALRM held off, as in a CUDA synchronisation that 
 def test_4_after_the_hang():  # runs in the pytest started again
     pass
 EOF
-(cd "$repo" && "$py" benchmarks/suite_tests.py --paths tests/test_rehearsal_hangs.py --timeout-s 2 --grace-s 3) \
+(cd "$repo" && "$py" benchmarks/gpu_suite/cuda_tests.py --paths tests/test_rehearsal_hangs.py --timeout-s 2 --grace-s 3) \
   > "$out/test-timeouts.log" 2>&1
 rc=$?
 rm -f "$repo/tests/test_rehearsal_hangs.py"

@@ -1,7 +1,7 @@
-"""The GPU machine's image as gpu_image_packages.txt writes it down: the packages the rehearsal's venv
+"""The GPU machine's image as image_packages.txt writes it down: the packages the rehearsal's venv
 installs (its requirement lines) and every distribution the image holds (its `#:` lines).
 
-    .venv-gpu-image/bin/python benchmarks/gpu_image.py   # exit 1, naming them, if this python's environment
+    .venv-gpu-image/bin/python benchmarks/gpu_suite/image_packages.py   # exit 1, naming them, if this python's environment
                                                           # holds a distribution that the image lacks
 """
 
@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-PACKAGES = Path(__file__).resolve().with_name("gpu_image_packages.txt")
+PACKAGES = Path(__file__).resolve().with_name("image_packages.txt")
 
 
 def normalize(name: str) -> str:
