@@ -53,6 +53,7 @@ GRAD_SCALER = ("tests/test_grad_scaler.py", "tests/test_adam_optimizer.py", "tes
 CHECKPOINT = ("tests/test_checkpoint.py", "tests/test_offload.py", "tests/test_optimizer_state.py",
               "tests/test_adam_optimizer.py", "tests/test_apollo.py")
 SHARDING = ("tests/test_distributed.py",)
+OUTSIDE_WRITES = ("tests/test_outside_writes.py",)
 TRITON_ADAM = ("tests/test_triton_adam.py", "tests/test_grad_scaler.py")
 TRITON_APOLLO = ("tests/test_triton_apollo.py", "tests/test_apollo.py")
 NOT_TRITON = "not cuda and not triton and not emulated"
@@ -241,13 +242,13 @@ MUTATIONS = [
       "stepped = (found_inf.reshape(()).to(steps[0].device) == 0).to(steps[0].dtype)",
       "stepped = (1 - found_inf.reshape(()).to(steps[0].device)).to(steps[0].dtype)",
       "step counts advance by 1 - found_inf (backwards when two devices overflow)", GRAD_SCALER),
-    M("base:found-inf-not-passed", "fusedoff/optim/base.py",
-      "update = self._fused_update(group, backend, divisor, inf, layout.names, layout.params)",
-      "update = self._fused_update(group, backend, divisor, None, layout.names, layout.params)",
+    M("engine:found-inf-not-passed", "fusedoff/offload/engine.py",
+      "update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)",
+      "update = rules._fused_update(group, bucket.backend, divisor, None, bucket.names, bucket.params)",
       "the kernels never see found_inf (an overflowing step updates with inf gradients)", GRAD_SCALER),
     M("base:grad-scale-ignored", "fusedoff/optim/base.py",
-      "divisor = clipping.grad_divisor(grad_scale, clip, device)",
-      "divisor = clipping.grad_divisor(None, clip, device)",
+      "return clipping.grad_divisor(grad_scale, clip, device), inf",
+      "return clipping.grad_divisor(None, clip, device), inf",
       "GradScaler's grad_scale is ignored (gradients stay scaled)", GRAD_SCALER),
     # ---- checkpoints ------------------------------------------------------------------------------
     M("checkpoint:streamed-load-drops-masters", "fusedoff/optim/checkpoint.py",
@@ -255,11 +256,23 @@ MUTATIONS = [
       '            if key == "master_param" and optimizer._config["offload"] != "none":\n'
       '                continue\n            if key == "step":\n                state[key] = value.to(',
       "a streamed load_state_dict drops the master weights", CHECKPOINT),
-    M("engine:adopt-restarts-streamed-masters", "fusedoff/offload/engine.py",
-      "            if value is None:\n                start = self.initial(name, param)\n                shaped.copy_(",
-      '            if value is None or name == "master_param":\n                start = self.initial(name, param)\n'
-      "                shaped.copy_(",
+    M("bucket:adopt-restarts-streamed-masters", "fusedoff/offload/bucket.py",
+      "            if value is None:\n                if spec.follows_param:\n                    shaped.copy_(",
+      "            if value is None or spec.follows_param:\n                if spec.follows_param:\n"
+      "                    shaped.copy_(",
       "a streamed state taken by value restarts the master weights from the parameters", CHECKPOINT),
+    M("bucket:outside-writes-not-followed", "fusedoff/offload/bucket.py",
+      "            if watched[t] != (local._version, local.data_ptr()):",
+      "            if watched[t] is None:",
+      "a parameter written between steps keeps its stale master (only loaded masters are checked)", OUTSIDE_WRITES),
+    M("bucket:storage-not-watched", "fusedoff/offload/bucket.py",
+      "            if watched[t] != (local._version, local.data_ptr()):",
+      "            if watched[t] is None or watched[t][0] != local._version:",
+      "a `p.data = w` assignment (storage replaced, version kept) keeps the stale master", OUTSIDE_WRITES),
+    M("bucket:stale-param-views", "fusedoff/offload/bucket.py",
+      "            if known is not None:\n                self._forget_views(t)\n",
+      "",
+      "a parameter whose storage was replaced is still updated through its old flat view", OUTSIDE_WRITES),
     M("checkpoint:no-size-check", "fusedoff/optim/checkpoint.py",
       "            if value.numel() != expected:\n",
       "            if False:\n",

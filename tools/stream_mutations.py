@@ -1,9 +1,10 @@
 """Proof that the stream simulation can fail: remove each single wait or event record of the engine.
 
-For every line of fusedoff/offload/pipeline.py and engine.py that orders device work (a wait on an
+For every line of fusedoff/offload/pipeline.py, engine.py and bucket.py that orders device work (a wait on an
 event or a stream, an event record, a host synchronisation, the main stream's join, the host's
 wait before writing into the store), this script copies the package to a scratch folder, removes
-that one line's effect, runs tests/test_stream_simulation.py against the copy, and reports whether
+that one line's effect, runs tests/test_stream_simulation.py (and the simulated cases of
+tests/test_outside_writes.py) against the copy, and reports whether
 the tests failed (caught: by the race checker, or by a wrong value) or passed (missed).
 
     .venv/bin/python tools/stream_mutations.py            # prints "N of M single-wait removals caught"
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py")
+TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/bucket.py")
 # (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
 RULES = (
     (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
@@ -78,7 +79,10 @@ def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
     for test_file in (ROOT / "tests").glob("*.py"):  # conftest.py and what it imports: cuda tests skip here
         shutil.copy(test_file, scratch / "tests")
     (scratch / "pytest.ini").write_text("[pytest]\n")
-    test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "-c", "pytest.ini", "-x",
+    # The simulated cases of the outside-write tests too: the host reads a streamed master and writes
+    # it back into the store between two steps (Bucket._take_from_param).
+    test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "tests/test_outside_writes.py",
+                           "-k", "not test_outside_writes or simulated", "-c", "pytest.ini", "-x",
                            "-q", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, cwd=scratch)
     if "fusedoff" not in test.stdout + test.stderr and test.returncode not in (0, 1):
