@@ -1,5 +1,6 @@
 // The one file that sees at::Tensor: schemas, argument checks, device guards, and the translation
-// of tensors into the plain AdamLaunch that the ATen-free kernels take.
+// of tensors and typed hyperparameters into the plain launch descriptions (AdamLaunch, ...) that the
+// ATen-free kernels take.
 //
 // Compiled twice: for fusedoff._C (the host kernels, and the CUDA kernels with FUSEDOFF_WITH_CUDA),
 // and, with FUSEDOFF_CUDA_EMULATION, for the test build fusedoff._C_emulated: the CUDA kernels
@@ -27,6 +28,19 @@
 
 namespace fusedoff {
 namespace {
+
+// [note: hyperparameter lists] Each optimizer's scalar hyperparameters are written once, as a
+// list FUSEDOFF_<NAME>_HYPERPARAMETERS(X, SEP) of X(C++ type, schema type, name) separated by
+// SEP(). The list expands into the schema's typed arguments (fusedoff.ops unpacks its
+// hyperparameter object into them by name), the ops' C++ parameters in the same order, the
+// arguments they forward, and, for Adam, the fields of AdamHyperparams (adam.h) they fill.
+#define FUSEDOFF_SCHEMA_ARGUMENT(cpp_type, schema_type, name) #schema_type " " #name
+#define FUSEDOFF_PARAMETER(cpp_type, schema_type, name) cpp_type name
+#define FUSEDOFF_ARGUMENT(cpp_type, schema_type, name) name
+#define FUSEDOFF_SET_FIELD(cpp_type, schema_type, name) hyper.name = name;
+#define FUSEDOFF_COMMA() ,
+#define FUSEDOFF_SCHEMA_COMMA() ", "
+#define FUSEDOFF_NOTHING()
 
 DType storage_dtype(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -132,12 +146,30 @@ void run_on_cuda(Launch& launch, at::TensorList params, Kernel&& kernel) {
 }
 #endif
 
+// ---- Adam ---------------------------------------------------------------------------------------
+
+// The Adam hyperparameters of both Adam ops (see [note: hyperparameter lists]). amsgrad is not one
+// of them: it says which states a call has (the compressed op has no max_exp_avg_sqs).
+#define FUSEDOFF_ADAM_HYPERPARAMETERS(X, SEP)                                                   \
+  X(double, float, lr) SEP() X(double, float, beta1) SEP() X(double, float, beta2) SEP()         \
+  X(double, float, eps) SEP() X(double, float, weight_decay) SEP()                               \
+  X(bool, bool, decoupled_weight_decay) SEP() X(bool, bool, maximize)
+#define FUSEDOFF_ADAM_HYPERPARAMETER_PARAMETERS FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_PARAMETER, FUSEDOFF_COMMA)
+#define FUSEDOFF_ADAM_HYPERPARAMETER_ARGUMENTS FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_ARGUMENT, FUSEDOFF_COMMA)
+#define FUSEDOFF_ADAM_HYPERPARAMETER_SCHEMA FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_SCHEMA_ARGUMENT, FUSEDOFF_SCHEMA_COMMA)
+
+// What the kernels read, from the typed arguments of either Adam op.
+AdamHyperparams adam_hyperparams(FUSEDOFF_ADAM_HYPERPARAMETER_PARAMETERS) {
+  AdamHyperparams hyper{};
+  FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_SET_FIELD, FUSEDOFF_NOTHING)
+  return hyper;
+}
+
 // Validates a whole call before anything is written, then builds the launch description.
 AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                              at::TensorList master_params, at::TensorList steps, double lr, double beta1,
-                              double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
-                              bool amsgrad, bool maximize, const std::optional<at::Tensor>& grad_scale,
+                              at::TensorList master_params, at::TensorList steps, const AdamHyperparams& hyper,
+                              bool amsgrad, const std::optional<at::Tensor>& grad_scale,
                               const std::optional<at::Tensor>& found_inf, std::vector<AdamTensorPtrs>& ptrs) {
   const int64_t n = static_cast<int64_t>(params.size());
   TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
@@ -151,7 +183,7 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
   launch.num_tensors = n;
   launch.amsgrad = amsgrad;
   launch.has_master = !master_params.empty();
-  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
+  launch.hyper = hyper;
   if (n == 0) return launch;
 
   const at::Device device = params[0].device();
@@ -183,12 +215,12 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
 
 #define FUSEDOFF_ADAM_ARGS                                                                                        \
   at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,             \
-      at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList steps, double lr, double beta1, \
-      double beta2, double eps, double weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize,    \
-      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
+      at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList steps,                       \
+      FUSEDOFF_ADAM_HYPERPARAMETER_PARAMETERS, bool amsgrad, const std::optional<at::Tensor>&grad_scale,         \
+      const std::optional<at::Tensor>&found_inf
 #define FUSEDOFF_ADAM_FORWARD                                                                                    \
-  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, lr, beta1, beta2, eps,          \
-      weight_decay, decoupled_weight_decay, amsgrad, maximize, grad_scale, found_inf
+  params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps,                                  \
+      adam_hyperparams(FUSEDOFF_ADAM_HYPERPARAMETER_ARGUMENTS), amsgrad, grad_scale, found_inf
 
 #if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void adam_step_cpu_op(FUSEDOFF_ADAM_ARGS) {
@@ -211,8 +243,7 @@ void adam_step_cuda_op(FUSEDOFF_ADAM_ARGS) {
 CompressedAdamLaunch describe_compressed_adam_call(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
     at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, at::TensorList master_params,
-    at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys, double lr, double beta1, double beta2,
-    double eps, double weight_decay, bool decoupled_weight_decay, bool maximize,
+    at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys, const AdamHyperparams& hyper,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
     std::vector<CompressedAdamTensorPtrs>& ptrs) {
   const int64_t n = static_cast<int64_t>(params.size());
@@ -226,7 +257,7 @@ CompressedAdamLaunch describe_compressed_adam_call(
   CompressedAdamLaunch launch{};
   launch.num_tensors = n;
   launch.has_master = !master_params.empty();
-  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};
+  launch.hyper = hyper;
   if (n == 0) return launch;
 
   const at::ScalarType state_type = exp_avgs[0].scalar_type();
@@ -277,12 +308,12 @@ CompressedAdamLaunch describe_compressed_adam_call(
 #define FUSEDOFF_COMPRESSED_ADAM_ARGS                                                                            \
   at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,             \
       at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, at::TensorList master_params,          \
-      at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys, double lr, double beta1,      \
-      double beta2, double eps, double weight_decay, bool decoupled_weight_decay, bool maximize,                \
-      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
+      at::TensorList steps, at::IntArrayRef offsets, at::IntArrayRef tensor_keys,                               \
+      FUSEDOFF_ADAM_HYPERPARAMETER_PARAMETERS, const std::optional<at::Tensor>&grad_scale,                       \
+      const std::optional<at::Tensor>&found_inf
 #define FUSEDOFF_COMPRESSED_ADAM_FORWARD                                                                         \
   params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps, offsets,    \
-      tensor_keys, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, found_inf
+      tensor_keys, adam_hyperparams(FUSEDOFF_ADAM_HYPERPARAMETER_ARGUMENTS), grad_scale, found_inf
 
 #if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void adam_compressed_step_cpu_op(FUSEDOFF_COMPRESSED_ADAM_ARGS) {
@@ -325,13 +356,24 @@ ApolloPhase parse_phase(c10::string_view phase) {
   TORCH_CHECK(false, "fusedoff: phase must be 'reduce', 'full', 'moments' or 'finish', got '", phase, "'");
 }
 
+// The Apollo hyperparameters (see [note: hyperparameter lists]); the phase is the call's, not one of them.
+#define FUSEDOFF_APOLLO_HYPERPARAMETERS(X, SEP)                                                  \
+  X(double, float, lr) SEP() X(double, float, base_lr) SEP() X(double, float, init_lr) SEP()     \
+  X(double, float, warmup) SEP() X(double, float, beta) SEP() X(double, float, eps) SEP()        \
+  X(double, float, weight_decay) SEP() X(c10::string_view, str, rebound) SEP()                   \
+  X(c10::string_view, str, weight_decay_type)
+
+// What the kernels read, from the op's typed arguments: the modes parsed from their names.
+ApolloHyperparams apollo_hyperparams(FUSEDOFF_APOLLO_HYPERPARAMETERS(FUSEDOFF_PARAMETER, FUSEDOFF_COMMA)) {
+  return ApolloHyperparams{lr, base_lr, init_lr, warmup, beta, eps, weight_decay, parse_rebound(rebound),
+                           parse_decay(weight_decay, weight_decay_type)};
+}
+
 ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avg_grads,
                                   at::TensorList approx_hessians, at::TensorList updates,
                                   at::TensorList master_params, at::TensorList steps, at::TensorList stats,
-                                  at::IntArrayRef total_numels, c10::string_view phase, double lr, double base_lr,
-                                  double init_lr, double warmup, double beta, double eps, double weight_decay,
-                                  c10::string_view rebound, c10::string_view weight_decay_type,
-                                  const std::optional<at::Tensor>& grad_scale,
+                                  at::IntArrayRef total_numels, c10::string_view phase,
+                                  const ApolloHyperparams& hyper, const std::optional<at::Tensor>& grad_scale,
                                   const std::optional<at::Tensor>& found_inf, std::vector<ApolloTensorPtrs>& ptrs) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avg_grads.size() == n && approx_hessians.size() == n && updates.size() == n &&
@@ -344,8 +386,7 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
   launch.num_tensors = static_cast<int64_t>(n);
   launch.has_master = !master_params.empty();
   launch.phase = parse_phase(phase);
-  launch.hyper = ApolloHyperparams{lr, base_lr, init_lr, warmup, beta, eps, weight_decay, parse_rebound(rebound),
-                                   parse_decay(weight_decay, weight_decay_type)};
+  launch.hyper = hyper;
   if (n == 0) return launch;
   const at::Device device = params[0].device();
   launch.param_dtype = storage_dtype(params[0], "params");
@@ -386,13 +427,13 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
 #define FUSEDOFF_APOLLO_ARGS                                                                                     \
   at::TensorList params, at::TensorList grads, at::TensorList exp_avg_grads, at::TensorList approx_hessians,    \
       at::TensorList updates, at::TensorList master_params, at::TensorList steps, at::TensorList stats,         \
-      at::IntArrayRef total_numels, c10::string_view phase, double lr, double base_lr, double init_lr,          \
-      double warmup, double beta, double eps, double weight_decay, c10::string_view rebound,                    \
-      c10::string_view weight_decay_type, const std::optional<at::Tensor>&grad_scale,                           \
-      const std::optional<at::Tensor>&found_inf
+      at::IntArrayRef total_numels, c10::string_view phase,                                                     \
+      FUSEDOFF_APOLLO_HYPERPARAMETERS(FUSEDOFF_PARAMETER, FUSEDOFF_COMMA),                                       \
+      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
 #define FUSEDOFF_APOLLO_FORWARD                                                                                  \
-  params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, phase, lr, \
-      base_lr, init_lr, warmup, beta, eps, weight_decay, rebound, weight_decay_type, grad_scale, found_inf
+  params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, phase,      \
+      apollo_hyperparams(FUSEDOFF_APOLLO_HYPERPARAMETERS(FUSEDOFF_ARGUMENT, FUSEDOFF_COMMA)), grad_scale,        \
+      found_inf
 
 #if defined(FUSEDOFF_WITH_HOST_KERNELS)
 void apollo_step_cpu_op(FUSEDOFF_APOLLO_ARGS) {
@@ -420,24 +461,23 @@ void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
 void define_fused_ops(torch::Library& m) {
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, float lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, bool amsgrad, bool maximize, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor[] steps, *, " FUSEDOFF_ADAM_HYPERPARAMETER_SCHEMA
+      ", bool amsgrad, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // Adam with compressed moments: bf16 (stochastic rounding) or 8-bit codes with block scales, by
   // the states' dtype (csrc/include/fusedoff/state_codec.h).
   m.def(
       "adam_compressed_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] exp_avg_absmaxs, Tensor(e!)[] exp_avg_sq_absmaxs, Tensor(f!)[] master_params, Tensor[] steps, "
-      "int[] offsets, int[] tensor_keys, *, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool decoupled_weight_decay, bool maximize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+      "int[] offsets, int[] tensor_keys, *, " FUSEDOFF_ADAM_HYPERPARAMETER_SCHEMA
+      ", Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // One phase of an Apollo step over tensors or ranges of tensors (see csrc/include/fusedoff/apollo.h):
   // 'reduce' adds into `stats` (mutated), 'full' and 'finish' write params and states, 'moments'
   // writes m, B and stats.
   m.def(
       "apollo_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg_grads, Tensor(c!)[] approx_hessians, "
       "Tensor(d!)[] updates, Tensor(e!)[] master_params, Tensor[] steps, Tensor(f!)[] stats, int[] total_numels, *, "
-      "str phase, float lr, float base_lr, float init_lr, float warmup, float beta, float eps, float weight_decay, "
-      "str rebound, str weight_decay_type, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+      "str phase, " FUSEDOFF_APOLLO_HYPERPARAMETERS(FUSEDOFF_SCHEMA_ARGUMENT, FUSEDOFF_SCHEMA_COMMA)
+      ", Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)

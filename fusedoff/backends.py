@@ -1,21 +1,76 @@
-"""Choosing a backend for a device: the fastest one available, or the one the user named."""
+"""The backends: one table of what each needs, the one check of a backend's name, and the choice
+of one for a device (the fastest available, or the one the user named)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from fusedoff import _ext
-from fusedoff.ops import BACKENDS, TEST_BACKENDS
 
 
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _require_cuda_kernels() -> None:
+    _ext.load_extension()  # raises the clear error naming what is missing
+    if not _ext.cuda_kernels_available():
+        raise _ext.NativeExtensionUnavailable(
+            "fusedoff: the native extension was built without CUDA kernels (no CUDA toolkit at build time); "
+            "rebuild with CUDA_HOME set, or use backend='triton' or 'torch'"
+        )
+
+
+def _require_triton() -> None:
+    if not triton_available():
+        raise ValueError("backend='triton' needs the triton package")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    # The device its tensors must be on; None: whichever the tensors are on.
+    device_type: str | None
+    # Raises, naming what is missing, if the backend cannot run here (loads a native module).
+    require: Callable[[], None]
+    # The torch.ops namespace of csrc/ops.cpp's ops it runs; None for the Python backends.
+    native_namespace: str | None = None
+    # Accepted wherever a backend is, never chosen by 'auto'.
+    test_only: bool = False
+
+
+_TABLE = {b.name: b for b in (
+    Backend("cpu", "cpu", _ext.load_extension, native_namespace="fusedoff"),
+    Backend("cuda", "cuda", _require_cuda_kernels, native_namespace="fusedoff"),
+    Backend("triton", None, _require_triton),
+    Backend("torch", None, lambda: None),
+    # The tests' CUDA kernels compiled as host C++ and run by the CUDA emulation (csrc/emulation).
+    Backend("cuda_emulated", "cpu", _ext.load_emulated_extension, native_namespace="fusedoff_emulated",
+            test_only=True),
+)}
+BACKENDS = tuple(name for name, b in _TABLE.items() if not b.test_only)
+TEST_BACKENDS = tuple(name for name, b in _TABLE.items() if b.test_only)
+
+
+def backend_named(name: str) -> Backend:
+    """The backend called ``name``: the one place a backend's name is checked."""
+    try:
+        return _TABLE[name]
+    except KeyError:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}") from None
+
+
+def check_device(backend: Backend, device: torch.device) -> None:
+    if backend.device_type is not None and device.type != backend.device_type:
+        raise ValueError(f"backend={backend.name!r} needs {backend.device_type} tensors, not tensors on {device}")
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -30,25 +85,10 @@ def resolve_backend(requested: str, device: torch.device) -> str:
         if device.type == "cpu":
             _warn_native_missing()
         return "torch"
-    if requested not in BACKENDS + TEST_BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
-    if requested == "cuda_emulated":  # the tests' CUDA kernels on the host (csrc/emulation)
-        if device.type != "cpu":
-            raise ValueError(f"backend='cuda_emulated' runs the CUDA kernels on CPU tensors, not on {device}")
-        _ext.load_emulated_extension()
-        return requested
-    if requested in ("cpu", "cuda"):
-        if device.type != requested:
-            raise ValueError(f"backend={requested!r} cannot update parameters on {device}")
-        _ext.load_extension()  # raises the clear error naming what is missing
-        if requested == "cuda" and not _ext.cuda_kernels_available():
-            raise _ext.NativeExtensionUnavailable(
-                "fusedoff: the native extension was built without CUDA kernels (no CUDA toolkit at build time); "
-                "rebuild with CUDA_HOME set, or use backend='triton' or 'torch'"
-            )
-    if requested == "triton" and not triton_available():
-        raise ValueError("backend='triton' needs the triton package")
-    if requested == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    backend = backend_named(requested)
+    check_device(backend, device)
+    backend.require()
+    if backend.name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # Compiled Triton kernels cannot read host memory; only its interpreter runs on CPU tensors.
         raise ValueError("backend='triton' runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1)")
     return requested

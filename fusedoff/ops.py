@@ -1,25 +1,112 @@
-"""The fused-step ops, one entry per step, whatever the backend.
+"""The fused-step ops: a table of ops, each with its implementation on every backend.
 
-``cpu`` and ``cuda`` run ``torch.ops.fusedoff.adam_step_`` (C++/CUDA, registered through
-torch.library in csrc/ops.cpp); ``triton`` runs fusedoff/kernels/triton_adam.py; ``torch`` runs
-the pure-PyTorch reference. All take the same arguments and update their inputs in place. The native
-ops return nothing, so the fake kernels torch derives from their schemas trace them (opcheck passes).
+Each op is one entry of ``_OPS``: its name and its implementations keyed by backend. The native
+backends (``cpu``, ``cuda``, the tests' ``cuda_emulated``; see ``fusedoff.backends``) run the op of
+that name that csrc/ops.cpp registers through torch.library; ``triton`` runs the function of that
+name in its fusedoff/kernels/triton_*.py module, ``torch`` the pure-PyTorch reference
+(fusedoff/kernels/reference.py). Every implementation updates its inputs in place. The native ops
+return nothing, so the fake kernels torch derives from their schemas trace them (opcheck passes);
+the Python functions here are plain functions over those ops and need no fake kernel of their own.
 
-``cuda_emulated`` is for the tests: the CUDA kernels compiled as host C++ and run by the CUDA
-emulation (csrc/emulation) on CPU tensors, ``torch.ops.fusedoff_emulated`` (``_ext.load_emulated_extension``).
+The scalar hyperparameters travel as one frozen object (``fusedoff.hyperparameters``), built once
+by the optimizer class, handed to the Python backends as it is and unpacked once, here, into the
+native schema's typed arguments. Each public op takes ``hyper=`` or the hyperparameters as
+keywords (one object is built from them); ``grad_scale``/``found_inf`` travel beside it.
+Dispatch is a lookup: the backend's name is checked in one place, ``backends.backend_named``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from fusedoff._ext import load_emulated_extension, load_extension
+from fusedoff.backends import BACKENDS, TEST_BACKENDS, Backend, backend_named, check_device
+from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 
-BACKENDS = ("cpu", "cuda", "triton", "torch")
-TEST_BACKENDS = ("cuda_emulated",)  # accepted everywhere a backend is, never chosen by 'auto'
+__all__ = ["BACKENDS", "TEST_BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
+           "adam_compressed_step_", "apollo_step_", "apollo_phases", "apollo_whole_step_"]
+
+APOLLO_PHASES = ("reduce", "full", "moments", "finish")
+APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _native_op(namespace: str, name: str, hyper_kind: type):
+    """The native op and the names of its schema's typed hyperparameters, in the object's fields."""
+    op = getattr(getattr(torch.ops, namespace), name).default
+    fields = {f.name for f in dataclasses.fields(hyper_kind)}
+    return op, tuple(a.name for a in op._schema.arguments if a.kwarg_only and a.name in fields)
+
+
+def _native(name: str) -> Callable:
+    """A native backend's implementation of op ``name``: the parameters' device checked, the
+    backend's module loaded, the hyperparameter object unpacked into the schema's typed arguments
+    (the ones it has: the compressed op's schema has no amsgrad)."""
+
+    def run(backend: Backend, params: Sequence[Tensor], *lists, hyper, **keywords) -> None:
+        for p in params:
+            check_device(backend, p.device)
+        backend.require()
+        op, hyper_names = _native_op(backend.native_namespace, name, type(hyper))
+        op(list(params), *(list(x) for x in lists), **{n: getattr(hyper, n) for n in hyper_names}, **keywords)
+
+    return run
+
+
+def _python(module: str, name: str) -> Callable:
+    """A Python backend's implementation: function ``name`` of ``module``, imported at the first call
+    (triton is optional, and slow to import)."""
+
+    def run(backend: Backend, *args, **keywords) -> None:
+        getattr(importlib.import_module(module), name)(*args, **keywords)
+
+    return run
+
+
+def _implementations(name: str, triton_module: str) -> dict[str, Callable]:
+    native = _native(name)
+    return {"cpu": native, "cuda": native, "cuda_emulated": native,
+            "triton": _python(f"fusedoff.kernels.{triton_module}", name),
+            "torch": _python("fusedoff.kernels.reference", name)}
+
+
+_OPS: dict[str, dict[str, Callable]] = {
+    "adam_step_": _implementations("adam_step_", "triton_adam"),
+    "adam_compressed_step_": _implementations("adam_compressed_step_", "triton_adam_compressed"),
+    "apollo_step_": _implementations("apollo_step_", "triton_apollo"),
+}
+assert all(set(impls) == set(BACKENDS + TEST_BACKENDS) for impls in _OPS.values())
+
+
+def _run(name: str, backend: str, params: Sequence[Tensor], *args, **keywords) -> None:
+    """Runs op ``name`` on ``backend``; an empty call returns at once (nothing to update, and no
+    device for the dispatcher to pick)."""
+    b = backend_named(backend)
+    if len(params) == 0:
+        return
+    _OPS[name][b.name](b, params, *args, **keywords)
+
+
+def _hyperparameters(kind: type, hyper, keywords: dict):
+    """``hyper`` as given, or one object built from the keywords."""
+    if hyper is None:
+        return kind(**keywords)
+    if keywords:
+        raise TypeError(f"pass hyper= or the hyperparameters as keywords, not both (got {sorted(keywords)})")
+    if not isinstance(hyper, kind):
+        raise TypeError(f"hyper must be {kind.__name__}, got {type(hyper).__name__}")
+    return hyper
+
+
+# ---- the ops --------------------------------------------------------------------------------------
 
 
 def increment_steps_(steps: Sequence[Tensor], found_inf: Tensor | None = None) -> None:
@@ -47,53 +134,23 @@ def adam_step_(
     master_params: Sequence[Tensor],
     steps: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    amsgrad: bool,
-    maximize: bool,
+    backend: str,
+    hyper: AdamHyperparameters | None = None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    backend: str,
+    **hyperparameters,
 ) -> None:
     """One fused Adam (``decoupled_weight_decay=False``) or AdamW step over a list of tensors.
 
-    The math is in ``csrc/include/fusedoff/adam.h``. ``steps`` hold each tensor's step count after
-    this step's increment (see ``increment_steps_``); ``max_exp_avg_sqs`` is empty unless
-    ``amsgrad``; ``master_params`` is empty or holds fp32 master weights, in which case the params
-    receive the rounded master values. States are fp32; params and grads fp32, fp16 or bf16.
+    The math is in ``csrc/include/fusedoff/adam.h``; ``hyper`` (or its fields as keywords) says which.
+    ``steps`` hold each tensor's step count after this step's increment (see ``increment_steps_``);
+    ``max_exp_avg_sqs`` is empty unless ``amsgrad``; ``master_params`` is empty or holds fp32 master
+    weights, in which case the params receive the rounded master values. States are fp32; params
+    and grads fp32, fp16 or bf16.
     """
-    _check_backend(backend)
-    if len(params) == 0:
-        return  # nothing to update (and nothing for the dispatcher to pick a device from)
-    tensors = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps)
-    hyper = dict(
-        lr=float(lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-        decoupled_weight_decay=bool(decoupled_weight_decay),
-        amsgrad=bool(amsgrad),
-        maximize=bool(maximize),
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-    )
-    if backend in _NATIVE:
-        _native_ops(backend, params).adam_step_(*(list(t) for t in tensors), **hyper)
-    elif backend == "triton":
-        from fusedoff.kernels import triton_adam
-
-        triton_adam.adam_step_(*tensors, **hyper)
-    elif backend == "torch":
-        from fusedoff.kernels import reference
-
-        reference.adam_step_(*tensors, **hyper)
-    else:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _run("adam_step_", backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps,
+         hyper=_hyperparameters(AdamHyperparameters, hyper, hyperparameters), grad_scale=grad_scale,
+         found_inf=found_inf)
 
 
 def adam_compressed_step_(
@@ -108,16 +165,11 @@ def adam_compressed_step_(
     offsets: Sequence[int],
     tensor_keys: Sequence[int],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
+    backend: str,
+    hyper: AdamHyperparameters | None = None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    backend: str,
+    **hyperparameters,
 ) -> None:
     """One fused Adam/AdamW step whose moments are stored compressed (no amsgrad).
 
@@ -128,28 +180,12 @@ def adam_compressed_step_(
     of the block for 8-bit states), the origin of its blocks and of its random indices;
     ``tensor_keys`` the random stream's keys (``codec.tensor_key``). The rest is ``adam_step_``'s.
     """
-    _check_backend(backend)
-    if len(params) == 0:
-        return
-    tensors = (params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps)
-    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                 weight_decay=float(weight_decay), decoupled_weight_decay=bool(decoupled_weight_decay),
-                 maximize=bool(maximize), grad_scale=grad_scale, found_inf=found_inf)
-    offsets, tensor_keys = [int(o) for o in offsets], [int(k) for k in tensor_keys]
-    if backend in _NATIVE:
-        _native_ops(backend, params).adam_compressed_step_(*(list(t) for t in tensors), offsets, tensor_keys, **hyper)
-    elif backend == "triton":
-        from fusedoff.kernels import triton_adam_compressed
-
-        triton_adam_compressed.adam_compressed_step_(*tensors, offsets, tensor_keys, **hyper)
-    else:
-        from fusedoff.kernels import reference
-
-        reference.adam_compressed_step_(*tensors, offsets, tensor_keys, **hyper)
-
-
-APOLLO_PHASES = ("reduce", "full", "moments", "finish")
-APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
+    hyper = _hyperparameters(AdamHyperparameters, hyper, hyperparameters)
+    if hyper.amsgrad:
+        raise ValueError("fusedoff: compressed states do not support amsgrad")
+    _run("adam_compressed_step_", backend, params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs,
+         master_params, steps, [int(o) for o in offsets], [int(k) for k in tensor_keys], hyper=hyper,
+         grad_scale=grad_scale, found_inf=found_inf)
 
 
 def apollo_step_(
@@ -164,18 +200,11 @@ def apollo_step_(
     total_numels: Sequence[int],
     *,
     phase: str,
-    lr: float,
-    base_lr: float,
-    init_lr: float,
-    warmup: float,
-    beta: float,
-    eps: float,
-    weight_decay: float,
-    rebound: str,
-    weight_decay_type: str,
+    backend: str,
+    hyper: ApolloHyperparameters | None = None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    backend: str,
+    **hyperparameters,
 ) -> None:
     """One phase of a fused Apollo step over tensors, or contiguous ranges of tensors.
 
@@ -184,37 +213,11 @@ def apollo_step_(
     then ``full`` applies the step; with ``weight_decay_type='stable'`` the apply is ``moments`` then
     ``finish``. ``total_numels`` are the whole tensors' sizes. ``apollo_whole_step_`` runs them all.
     """
-    _check_backend(backend)
+    hyper = _hyperparameters(ApolloHyperparameters, hyper, hyperparameters)
     if phase not in APOLLO_PHASES:
         raise ValueError(f"phase must be one of {APOLLO_PHASES}, got {phase!r}")
-    if len(params) == 0:
-        return
-    tensors = (params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats)
-    hyper = dict(
-        phase=phase,
-        lr=float(lr),
-        base_lr=float(base_lr),
-        init_lr=float(init_lr),
-        warmup=float(warmup),
-        beta=float(beta),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-        rebound=rebound,
-        weight_decay_type=weight_decay_type,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-    )
-    numels = [int(n) for n in total_numels]
-    if backend in _NATIVE:
-        _native_ops(backend, params).apollo_step_(*(list(t) for t in tensors), numels, **hyper)
-    elif backend == "triton":
-        from fusedoff.kernels import triton_apollo
-
-        triton_apollo.apollo_step_(*tensors, numels, **hyper)
-    else:
-        from fusedoff.kernels import reference
-
-        reference.apollo_step_(*tensors, numels, **hyper)
+    _run("apollo_step_", backend, params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats,
+         [int(n) for n in total_numels], phase=phase, hyper=hyper, grad_scale=grad_scale, found_inf=found_inf)
 
 
 def apollo_phases(weight_decay: float, weight_decay_type: str) -> tuple[str, ...]:
@@ -225,40 +228,22 @@ def apollo_phases(weight_decay: float, weight_decay_type: str) -> tuple[str, ...
 
 def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, *,
                        backend: str, total_numels: Sequence[int] | None = None,
-                       after_phase: Callable[[Tensor, str], None] | None = None, **hyper) -> None:
+                       after_phase: Callable[[Tensor, str], None] | None = None,
+                       hyper: ApolloHyperparameters | None = None, grad_scale: Tensor | None = None,
+                       found_inf: Tensor | None = None, **hyperparameters) -> None:
     """A complete Apollo step over whole tensors: every phase, with fresh stats.
 
     For shards of larger tensors, `total_numels` gives the whole tensors' sizes (default: the
     tensors' own) and `after_phase(stats, phase)` completes the sums in `stats` (one row per tensor)
     over the other shards before the next phase reads them.
     """
+    hyper = _hyperparameters(ApolloHyperparameters, hyper, hyperparameters)
     if len(params) == 0:
         return
     stats = torch.zeros(len(params), APOLLO_NUM_STATS, dtype=torch.float64, device=params[0].device)
     numels = [p.numel() for p in params] if total_numels is None else list(total_numels)
-    for phase in apollo_phases(hyper["weight_decay"], hyper["weight_decay_type"]):
+    for phase in apollo_phases(hyper.weight_decay, hyper.weight_decay_type):
         apollo_step_(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats.unbind(0),
-                     numels, phase=phase, backend=backend, **hyper)
+                     numels, phase=phase, backend=backend, hyper=hyper, grad_scale=grad_scale, found_inf=found_inf)
         if after_phase is not None:
             after_phase(stats, phase)
-
-
-_NATIVE = ("cpu", "cuda", "cuda_emulated")
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS + TEST_BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _native_ops(backend: str, params: Sequence[Tensor]):
-    """The op namespace of a native backend, its module loaded, once the parameters' device is checked."""
-    device_type = "cpu" if backend == "cuda_emulated" else backend
-    for p in params:
-        if p.device.type != device_type:
-            raise ValueError(f"backend={backend!r} needs {device_type} tensors, got a parameter on {p.device}")
-    if backend == "cuda_emulated":
-        load_emulated_extension()
-        return torch.ops.fusedoff_emulated
-    load_extension()
-    return torch.ops.fusedoff

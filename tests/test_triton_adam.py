@@ -18,6 +18,7 @@ import itertools
 import pytest
 import torch
 
+from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import reference, triton_adam
 from tests.helpers import non_contiguous, set_arg, swap_arg
 
@@ -98,7 +99,8 @@ def _copy(problem, dtype=None):
 
 def _step(problem, adam_step_, grads, hyper, grad_scale=None, found_inf=None):
     adam_step_(problem["params"], grads, problem["exp_avgs"], problem["exp_avg_sqs"], problem["max_exp_avg_sqs"],
-               problem["master_params"], problem["steps"], grad_scale=grad_scale, found_inf=found_inf, **hyper)
+               problem["master_params"], problem["steps"], grad_scale=grad_scale, found_inf=found_inf,
+               hyper=AdamHyperparameters(**hyper))
 
 
 def _run(problem, adam_step_, hyper, grad_scale=None):
@@ -266,7 +268,7 @@ def test_empty_inputs(device):
     """Empty lists return at once; empty tensors are skipped and their neighbours in the list updated
     (the criterion of the module docstring, every state)."""
     hyper = _hyper(amsgrad=True)
-    triton_adam.adam_step_([], [], [], [], [], [], [], **hyper)  # nothing to launch, no device to pick
+    triton_adam.adam_step_([], [], [], [], [], [], [], hyper=AdamHyperparameters(**hyper))  # nothing to launch, no device to pick
 
     shapes = ((0,), (5,), (3, 0), (1,))
     problem = _make_problem(device, torch.float16, torch.float32, amsgrad=True, master=True, num_steps=3,
@@ -328,7 +330,7 @@ def test_bad_arguments_raise_before_anything_is_written(device, case):
     with pytest.raises(ValueError, match=message):
         triton_adam.adam_step_(call["params"], call["grads"], call["exp_avgs"], call["exp_avg_sqs"],
                                call["max_exp_avg_sqs"], call["master_params"], call["steps"],
-                               **_hyper(amsgrad=call["amsgrad"]), **call["kwargs"])
+                               hyper=AdamHyperparameters(**_hyper(amsgrad=call["amsgrad"])), **call["kwargs"])
     _assert_bitwise_equal(problem, before, "was written by a call that raised")
 
 
@@ -339,7 +341,7 @@ def test_tensors_on_two_devices_raise():
     grads[2] = grads[2].cpu()
     with pytest.raises(ValueError, match=r"grads\[2\] is on cpu"):
         triton_adam.adam_step_(problem["params"], grads, problem["exp_avgs"], problem["exp_avg_sqs"], [], [],
-                               problem["steps"], **_hyper())
+                               problem["steps"], hyper=AdamHyperparameters(**_hyper()))
 
 
 @pytest.mark.cuda

@@ -21,6 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from fusedoff.hyperparameters import AdamHyperparameters  # noqa: E402 (after the skip)
 from fusedoff.kernels import codec, reference, triton_adam_compressed  # noqa: E402 (after the skip)
 
 pytestmark = [
@@ -119,7 +120,7 @@ def _step(problem, adam_compressed_step_, grads, hyper, grad_scale=None, found_i
     adam_compressed_step_(problem["params"], grads, problem["exp_avgs"], problem["exp_avg_sqs"],
                           problem["exp_avg_absmaxs"], problem["exp_avg_sq_absmaxs"], problem["master_params"],
                           problem["steps"], problem["offsets"], problem["tensor_keys"], grad_scale=grad_scale,
-                          found_inf=found_inf, **hyper)
+                          found_inf=found_inf, hyper=AdamHyperparameters(**hyper))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -374,12 +375,13 @@ def test_bad_arguments_raise_before_anything_is_written(case):
         triton_adam_compressed.adam_compressed_step_(
             call["params"], call["grads"], call["exp_avgs"], call["exp_avg_sqs"], call["exp_avg_absmaxs"],
             call["exp_avg_sq_absmaxs"], call["master_params"], call["steps"], call["offsets"], call["tensor_keys"],
-            **_hyper("adamw"))
+            hyper=AdamHyperparameters(**_hyper("adamw")))
     _assert_bitwise_equal(problem, before, "was written by a call that raised")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_empty_inputs(oracle, precision):
     """Empty lists return at once; an empty tensor is skipped and its neighbour updated."""
-    triton_adam_compressed.adam_compressed_step_([], [], [], [], [], [], [], [], [], [], **_hyper("adamw"))
+    triton_adam_compressed.adam_compressed_step_([], [], [], [], [], [], [], [], [], [],
+                                                 hyper=AdamHyperparameters(**_hyper("adamw")))
     _run_both(_make_problem(precision, "bf16-master", (0, 257)), oracle, _hyper("adamw"))

@@ -16,12 +16,14 @@ float64 as the oracle instead, and one compiles the kernels for sm_90 even witho
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import pytest
 import torch
 
+from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.kernels import reference, triton_apollo, triton_common
 from tests.helpers import non_contiguous, set_arg, swap_arg
 
@@ -117,7 +119,7 @@ def _fresh_stats(problem):
 def _call(problem, apollo_step_, grads, stats, phase, hyper, grad_scale=None, found_inf=None):
     apollo_step_(problem["params"], grads, problem["exp_avg_grads"], problem["approx_hessians"], problem["updates"],
                  problem["master_params"], problem["steps"], stats, [p.numel() for p in problem["params"]],
-                 phase=phase, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+                 phase=phase, grad_scale=grad_scale, found_inf=found_inf, hyper=ApolloHyperparameters(**hyper))
 
 
 def _run(problem, apollo_step_, hyper, grad_scale=None):
@@ -319,7 +321,8 @@ def test_ranges_across_calls_share_stats(device, rebound, decay_type):
                 part = {name: [t.view(-1)[begin:end] for t in split[name]] for name in STATE_LISTS}
                 triton_apollo.apollo_step_(
                     part["params"], [grads[0].view(-1)[begin:end]], part["exp_avg_grads"], part["approx_hessians"],
-                    part["updates"], part["master_params"], split["steps"], stats, [4097], phase=phase, **hyper)
+                    part["updates"], part["master_params"], split["steps"], stats, [4097], phase=phase,
+                    hyper=ApolloHyperparameters(**hyper))
     for name in STATE_LISTS:
         for w, s in zip(whole[name], split[name]):
             # Different block sums change den, delta and mean D by ~1e-7 relative; the states follow
@@ -424,7 +427,8 @@ def test_empty_inputs(device):
     in the list updated (the criterion of the module docstring, every state)."""
     hyper = _hyper("belief", "stable")
     for phase in ("reduce", "full", "moments", "finish"):  # nothing to launch, no device to pick
-        triton_apollo.apollo_step_([], [], [], [], [], [], [], [], [], phase=phase, **hyper)
+        triton_apollo.apollo_step_([], [], [], [], [], [], [], [], [], phase=phase,
+                                   hyper=ApolloHyperparameters(**hyper))
 
     shapes = ((0,), (5,), (3, 0), (1,))
     problem = _make_problem(device, torch.float16, torch.float32, master=True, num_steps=2, shapes=shapes,
@@ -479,8 +483,9 @@ def test_bad_arguments_raise_before_anything_is_written(device, case):
     before["stats"] = [s.clone() for s in problem["stats"]]
     lists = [call.pop(name) for name in ("params", "grads", "exp_avg_grads", "approx_hessians", "updates",
                                          "master_params", "steps", "stats", "total_numels")]
+    hyper = ApolloHyperparameters(**{f.name: call.pop(f.name) for f in dataclasses.fields(ApolloHyperparameters)})
     with pytest.raises(ValueError, match=message):
-        triton_apollo.apollo_step_(*lists, **call)
+        triton_apollo.apollo_step_(*lists, hyper=hyper, **call)
     _assert_bitwise_equal(problem, before, "was written by a call that raised")
 
 

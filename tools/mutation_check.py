@@ -149,11 +149,10 @@ MUTATIONS = [
       "the parameter read for the wrong decay type (L2's gradient sees p = 0)", APOLLO),
     # ---- the boundary file (csrc/ops.cpp) -------------------------------------------------------
     M("ops.cpp:betas-swapped", "csrc/ops.cpp",
-      "  launch.amsgrad = amsgrad;\n  launch.has_master = !master_params.empty();\n"
-      "  launch.hyper = AdamHyperparams{lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize};",
-      "  launch.amsgrad = amsgrad;\n  launch.has_master = !master_params.empty();\n"
-      "  launch.hyper = AdamHyperparams{lr, beta2, beta1, eps, weight_decay, decoupled_weight_decay, maximize};",
-      "beta1 and beta2 swapped in the launch description", OPS),
+      "  FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_SET_FIELD, FUSEDOFF_NOTHING)\n  return hyper;",
+      "  FUSEDOFF_ADAM_HYPERPARAMETERS(FUSEDOFF_SET_FIELD, FUSEDOFF_NOTHING)\n"
+      "  std::swap(hyper.beta1, hyper.beta2);\n  return hyper;",
+      "beta1 and beta2 swapped in the hyperparameters both Adam ops give the kernels", OPS),
     M("ops.cpp:range-size-as-total", "csrc/ops.cpp",
       "                               p.numel(),\n                               total_numels[i]};",
       "                               p.numel(),\n                               p.numel()};",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 from fusedoff.kernels import codec
 
 
@@ -29,14 +30,7 @@ def adam_step_(
     master_params: Sequence[Tensor],
     steps: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    amsgrad: bool,
-    maximize: bool,
+    hyper: AdamHyperparameters,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
 ) -> None:
@@ -47,30 +41,30 @@ def adam_step_(
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
         math = _math_dtype(weights, exp_avg)
         step = steps[i].to(torch.float64)
-        step_size = (lr / (1 - beta1**step)).to(math)
-        bias_correction2_sqrt = torch.sqrt(1 - beta2**step).to(math)
+        step_size = (hyper.lr / (1 - hyper.beta1**step)).to(math)
+        bias_correction2_sqrt = torch.sqrt(1 - hyper.beta2**step).to(math)
 
         p = weights.to(math)
         g = grads[i].to(math)
         if grad_scale is not None:
             g = g / grad_scale.to(math)
-        if maximize:
+        if hyper.maximize:
             g = -g
-        if weight_decay != 0 and not decoupled_weight_decay:
-            g = g + weight_decay * p
-        if weight_decay != 0 and decoupled_weight_decay:
-            p = p * (1 - lr * weight_decay)
-        m = beta1 * exp_avg.to(math) + (1 - beta1) * g
-        v = beta2 * exp_avg_sq.to(math) + (1 - beta2) * g * g
+        if hyper.weight_decay != 0 and not hyper.decoupled_weight_decay:
+            g = g + hyper.weight_decay * p
+        if hyper.weight_decay != 0 and hyper.decoupled_weight_decay:
+            p = p * (1 - hyper.lr * hyper.weight_decay)
+        m = hyper.beta1 * exp_avg.to(math) + (1 - hyper.beta1) * g
+        v = hyper.beta2 * exp_avg_sq.to(math) + (1 - hyper.beta2) * g * g
         vhat = v
-        if amsgrad:
+        if hyper.amsgrad:
             vmax = torch.maximum(max_exp_avg_sqs[i].to(math), v)
             vhat = vmax
-        denom = torch.sqrt(vhat) / bias_correction2_sqrt + eps
+        denom = torch.sqrt(vhat) / bias_correction2_sqrt + hyper.eps
         p = p - step_size * (m / denom)
 
         updates = [(exp_avg, m), (exp_avg_sq, v), (param, p)]
-        if amsgrad:
+        if hyper.amsgrad:
             updates.append((max_exp_avg_sqs[i], vmax))
         if master is not None:
             updates.append((master, p))
@@ -92,9 +86,9 @@ def adam_compressed_step_(
     offsets: Sequence[int],
     tensor_keys: Sequence[int],
     *,
+    hyper: AdamHyperparameters,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    **hyper,
 ) -> None:
     """Adam/AdamW with compressed moments (see [note: compressed states] in state_codec.h): each
     tensor's states decoded to fp32, `adam_step_` above, then encoded again; bf16 or 8-bit by the
@@ -109,8 +103,8 @@ def adam_compressed_step_(
         else:
             m, v = m_store.to(torch.float32), v_store.to(torch.float32)
         master = [master_params[i]] if master_params else []
-        adam_step_([param], [grads[i]], [m], [v], [], master, [steps[i]], amsgrad=False, grad_scale=grad_scale,
-                   found_inf=found_inf, **hyper)
+        adam_step_([param], [grads[i]], [m], [v], [], master, [steps[i]], hyper=hyper, grad_scale=grad_scale,
+                   found_inf=found_inf)
         if blocks8:
             m_codes, m_absmax = codec.quantize(m, signed=True)
             v_codes, v_absmax = codec.quantize(v, signed=False)
@@ -133,32 +127,30 @@ def adam_compressed_step_(
 APOLLO_SIGMA = 0.01
 
 
-def _apollo_step_scalars(step: Tensor, *, lr, base_lr, init_lr, warmup, beta):
+def _apollo_step_scalars(step: Tensor, h: ApolloHyperparameters):
     t = step.to(torch.float64)
     k = t - 1
-    curr_lr = torch.where(k < warmup, (base_lr - init_lr) * k / max(warmup, 1e-300) + init_lr, torch.full_like(t, lr))
-    alpha = (1 - beta) / (1 - beta**t)
+    curr_lr = torch.where(k < h.warmup, (h.base_lr - h.init_lr) * k / max(h.warmup, 1e-300) + h.init_lr,
+                          torch.full_like(t, h.lr))
+    alpha = (1 - h.beta) / (1 - h.beta**t)
     return alpha, curr_lr
 
 
 def apollo_step_(
     params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels, *,
-    phase: str, lr: float, base_lr: float, init_lr: float, warmup: float, beta: float, eps: float,
-    weight_decay: float, rebound: str, weight_decay_type: str, grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
+    phase: str, hyper: ApolloHyperparameters, grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
 ) -> None:
     """One phase of an Apollo step (see apollo.h), in float64 when the states are, else fp32."""
     if phase not in ("reduce", "full", "moments", "finish"):
         raise ValueError(f"phase must be 'reduce', 'full', 'moments' or 'finish', got {phase!r}")
-    decay = "none" if weight_decay == 0 else weight_decay_type
-    belief = rebound == "belief"
+    decay = "none" if hyper.weight_decay == 0 else hyper.weight_decay_type
+    belief = hyper.rebound == "belief"
     for i, param in enumerate(params):
         master = master_params[i] if master_params else None
         weights = master if master is not None else param
         m_state, b_state, d_state, st = exp_avg_grads[i], approx_hessians[i], updates[i], stats[i]
         math = _math_dtype(weights, m_state)
-        alpha64, curr_lr64 = _apollo_step_scalars(steps[i], lr=lr, base_lr=base_lr, init_lr=init_lr,
-                                                  warmup=warmup, beta=beta)
+        alpha64, curr_lr64 = _apollo_step_scalars(steps[i], hyper)
         alpha, curr_lr = alpha64.to(math), curr_lr64.to(math)
         p = weights.to(math)
         m, b, d = m_state.to(math), b_state.to(math), d_state.to(math)
@@ -168,7 +160,7 @@ def apollo_step_(
             if grad_scale is not None:
                 g = g / grad_scale.to(math)
             if decay == "L2":
-                g = g + weight_decay * p
+                g = g + hyper.weight_decay * p
             return g
 
         if phase == "reduce":
@@ -186,12 +178,12 @@ def apollo_step_(
             st[:4].copy_(reduced)
             continue
 
-        e = eps if belief else eps / APOLLO_SIGMA
+        e = hyper.eps if belief else hyper.eps / APOLLO_SIGMA
         den64 = st[0].sqrt().sqrt() + e
         delta = ((-alpha64 * st[1] - st[2]) / (den64 * den64)).to(math)
         den = den64.to(math)
         floor = st[3].to(math) if belief else torch.tensor(APOLLO_SIGMA, dtype=math, device=p.device)
-        shift = (eps / alpha64).to(math) if belief else torch.zeros((), dtype=math, device=p.device)
+        shift = (hyper.eps / alpha64).to(math) if belief else torch.zeros((), dtype=math, device=p.device)
         writes = []
         if phase in ("full", "moments"):
             y = gradient() - m
@@ -205,9 +197,9 @@ def apollo_step_(
         else:
             u = m / rebounded
             if decay == "decoupled":
-                u = u + weight_decay * p
+                u = u + hyper.weight_decay * p
             elif decay == "stable":
-                u = u + (weight_decay / (st[4] / total_numels[i])).to(math) * p
+                u = u + (hyper.weight_decay / (st[4] / total_numels[i])).to(math) * p
             p = p - curr_lr * u
             writes += [(d_state, u), (param, p)] + ([(master, p)] if master is not None else [])
         for target, value in writes:

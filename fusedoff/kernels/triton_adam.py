@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels.triton_common import (
     BLOCK_SIZE,
     INTERPRETED,
@@ -204,19 +205,13 @@ def adam_step_(
     master_params: Sequence[Tensor],
     steps: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    amsgrad: bool,
-    maximize: bool,
+    hyper: AdamHyperparameters,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
 ) -> None:
     """In-place Adam/AdamW step, one kernel launch per non-empty tensor; the arguments are those of
     ``fusedoff.ops.adam_step_`` (``steps`` hold each tensor's count after this step's increment)."""
+    amsgrad = hyper.amsgrad
     _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad,
                 grad_scale, found_inf)
     if not params:
@@ -240,17 +235,17 @@ def adam_step_(
                 grad_scale,
                 found_inf,
                 numel,
-                float(lr),
-                float(beta1),
-                float(beta2),
-                float(eps),
-                float(weight_decay),
-                AMSGRAD=bool(amsgrad),
+                hyper.lr,
+                hyper.beta1,
+                hyper.beta2,
+                hyper.eps,
+                hyper.weight_decay,
+                AMSGRAD=amsgrad,
                 HAS_MASTER=bool(master_params),
                 HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None,
-                DECOUPLED_WEIGHT_DECAY=bool(decoupled_weight_decay),
-                MAXIMIZE=bool(maximize),
+                DECOUPLED_WEIGHT_DECAY=hyper.decoupled_weight_decay,
+                MAXIMIZE=hyper.maximize,
                 # 32-bit offsets unless the last block's would overflow.
                 INDEX_64=num_blocks * BLOCK_SIZE > 2**31 - 1,
                 ROUND_BF16_IN_SOFTWARE=INTERPRETED and param.dtype == torch.bfloat16,

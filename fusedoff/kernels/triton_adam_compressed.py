@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import codec
 from fusedoff.kernels.triton_adam import _adam_scalars, _adam_update
 from fusedoff.kernels.triton_common import (
@@ -301,13 +302,7 @@ def adam_compressed_step_(
     offsets: Sequence[int],
     tensor_keys: Sequence[int],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
+    hyper: AdamHyperparameters,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
 ) -> None:
@@ -339,17 +334,17 @@ def adam_compressed_step_(
                 numel,
                 int(offsets[i]),
                 int(tensor_keys[i]),
-                float(lr),
-                float(beta1),
-                float(beta2),
-                float(eps),
-                float(weight_decay),
+                hyper.lr,
+                hyper.beta1,
+                hyper.beta2,
+                hyper.eps,
+                hyper.weight_decay,
                 BLOCK8=block8,
                 HAS_MASTER=bool(master_params),
                 HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None,
-                DECOUPLED_WEIGHT_DECAY=bool(decoupled_weight_decay),
-                MAXIMIZE=bool(maximize),
+                DECOUPLED_WEIGHT_DECAY=hyper.decoupled_weight_decay,
+                MAXIMIZE=hyper.maximize,
                 # 32-bit offsets unless the last block's would overflow.
                 INDEX_64=num_programs * BLOCK_SIZE > 2**31 - 1,
                 ROUND_BF16_IN_SOFTWARE=INTERPRETED and param.dtype == torch.bfloat16,

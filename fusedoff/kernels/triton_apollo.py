@@ -78,6 +78,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.kernels.triton_common import (
     BLOCK_SIZE,
     INTERPRETED,
@@ -459,15 +460,7 @@ def apollo_step_(
     total_numels: Sequence[int],
     *,
     phase: str,
-    lr: float,
-    base_lr: float,
-    init_lr: float,
-    warmup: float,
-    beta: float,
-    eps: float,
-    weight_decay: float,
-    rebound: str,
-    weight_decay_type: str,
+    hyper: ApolloHyperparameters,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
 ) -> None:
@@ -479,8 +472,8 @@ def apollo_step_(
     atomics and without a host sync.
     """
     phase_id, belief, decay = _check_call(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps,
-                                          stats, total_numels, phase, rebound, float(weight_decay), weight_decay_type,
-                                          grad_scale, found_inf)
+                                          stats, total_numels, phase, hyper.rebound, hyper.weight_decay,
+                                          hyper.weight_decay_type, grad_scale, found_inf)
     if not params:
         return
     device = params[0].device
@@ -489,7 +482,7 @@ def apollo_step_(
     if phase_id in (PHASE_REDUCE, PHASE_MOMENTS):
         width = 4 if phase_id == PHASE_REDUCE else 1
         partials = torch.empty(sum(num_blocks) * width, dtype=torch.float32, device=device)
-    schedule = (float(lr), float(base_lr), float(init_lr), float(warmup), float(beta))
+    schedule = (hyper.lr, hyper.base_lr, hyper.init_lr, hyper.warmup, hyper.beta)
     flags = dict(DECAY=decay, HAS_MASTER=bool(master_params), HAS_GRAD_SCALE=grad_scale is not None,
                  HAS_FOUND_INF=found_inf is not None, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS)
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -507,14 +500,14 @@ def apollo_step_(
                 partial_rows = partials[first_row * 4:(first_row + blocks) * 4]
                 _apollo_reduce_kernel[(blocks,)](
                     param, grads[i], exp_avg_grads[i], approx_hessians[i], updates[i], master, steps[i], grad_scale,
-                    found_inf, partial_rows, numel, *schedule, float(weight_decay), INDEX_64=index_64, **flags,
+                    found_inf, partial_rows, numel, *schedule, hyper.weight_decay, INDEX_64=index_64, **flags,
                 )
             else:
                 partial_rows = partials[first_row:first_row + blocks] if phase_id == PHASE_MOMENTS else None
                 _apollo_apply_kernel[(blocks,)](
                     param, grads[i], exp_avg_grads[i], approx_hessians[i], updates[i], master, steps[i], stats[i],
-                    grad_scale, found_inf, partial_rows, numel, float(total_numels[i]), *schedule, float(eps),
-                    float(weight_decay),
+                    grad_scale, found_inf, partial_rows, numel, float(total_numels[i]), *schedule, hyper.eps,
+                    hyper.weight_decay,
                     PHASE=phase_id, BELIEF=belief, INDEX_64=index_64,
                     ROUND_BF16_IN_SOFTWARE=INTERPRETED and param.dtype == torch.bfloat16, **flags,
                 )

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from fusedoff import ops
+from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
@@ -80,16 +81,18 @@ class Adam(FusedOptimizer):
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-                     weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"],
-                     maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf, backend=backend)
+        hyper = AdamHyperparameters(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"],
+                                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+                                    maximize=group["maximize"])
+        beside = dict(hyper=hyper, grad_scale=grad_scale, found_inf=found_inf, backend=backend)
 
         if group["state_precision"] == "fp32":
             def call(phase: Phase, args: UpdateArgs) -> None:
                 states = args.states
                 ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
                                states.get("max_exp_avg_sq", []), states.get("master_param", []), args.steps,
-                               amsgrad=group["amsgrad"], **hyper)
+                               **beside)
         else:
             # The random stream's key of each tensor: the optimizer's seed and the parameter's index
             # in the state dict, so it is the same however the tensor is placed or cut into chunks.
@@ -101,7 +104,7 @@ class Adam(FusedOptimizer):
                 ops.adam_compressed_step_(
                     args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
                     states.get("exp_avg_sq_absmax", []), states.get("master_param", []), args.steps, args.offsets,
-                    [keys[t] for t in args.tensors], **hyper)
+                    [keys[t] for t in args.tensors], **beside)
 
         return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
 

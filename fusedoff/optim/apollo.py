@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusedoff import ops
+from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.sharding import all_reduce_over_shards_
@@ -98,11 +99,10 @@ class Apollo(FusedOptimizer):
         super().add_param_group(param_group)
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
-        hyper = dict(lr=float(group["lr"]), base_lr=float(group["base_lr"]), init_lr=float(group["init_lr"]),
-                     warmup=float(group["warmup"]), beta=group["beta"], eps=group["eps"],
-                     weight_decay=group["weight_decay"], rebound=group["rebound"],
-                     weight_decay_type=group["weight_decay_type"], grad_scale=grad_scale, found_inf=found_inf,
-                     backend=backend)
+        hyper = ApolloHyperparameters(lr=group["lr"], base_lr=group["base_lr"], init_lr=group["init_lr"],
+                                      warmup=group["warmup"], beta=group["beta"], eps=group["eps"],
+                                      weight_decay=group["weight_decay"], rebound=group["rebound"],
+                                      weight_decay_type=group["weight_decay_type"])
         moments = self._state_names(group)
         master = tuple(n for n in names if n == "master_param")
         # Every backend reads the parameter in 'reduce' and 'moments' only with L2 decay.
@@ -120,7 +120,8 @@ class Apollo(FusedOptimizer):
             states = args.states
             ops.apollo_step_(args.params, args.grads, states["exp_avg_grad"], states["approx_hessian"],
                              states["update"], states.get("master_param", []), args.steps, args.stats,
-                             args.total_numels, phase=phase.name, **hyper)
+                             args.total_numels, phase=phase.name, hyper=hyper, grad_scale=grad_scale,
+                             found_inf=found_inf, backend=backend)
 
         return FusedUpdate(phases=phases, call=call, stats_columns=ops.APOLLO_NUM_STATS,
                            after_phase=self._combine_shards)

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from fusedoff import ops
-from fusedoff.backends import resolve_backend
+from fusedoff.backends import backend_named, resolve_backend
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, StateSpec
 from fusedoff.optim import checkpoint, clipping
@@ -53,8 +52,8 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
                  chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None) -> None:
-        if backend not in ("auto", *ops.BACKENDS, *ops.TEST_BACKENDS):
-            raise ValueError(f"backend must be 'auto' or one of {ops.BACKENDS}, got {backend!r}")
+        if backend != "auto":
+            backend_named(backend)  # raises, naming the backends there are
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
