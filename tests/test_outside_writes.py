@@ -258,3 +258,30 @@ def test_a_loaded_master_that_is_not_the_parameter_follows_the_parameter(placeme
         other_opt.step()
         for p, was in zip(other.weights, held):
             assert (p.detach().float() - was.float()).abs().max() <= 3 * LR + 0.01 * was.float().abs().max()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_parameter_given_another_memory_layout_is_refused_before_anything_changes(placement):
+    """States are kept in their parameter's memory order: a parameter replaced (``p.data = w``) by
+    one of the same shape but other strides cannot take them over silently."""
+    dtype = torch.bfloat16
+    with device_of(placement):
+        model = Model(dtype)
+        params = list(model.weights)
+        opt = make_optimizer("AdamW", params, placement)
+        for p, g in zip(params, gradients(0, dtype)):
+            p.grad = g
+        opt.step()
+        before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        values = [p.detach().clone() for p in params]
+        transposed = torch.empty_strided(SHAPES[0], (1, SHAPES[0][0]), dtype=dtype)
+        transposed.copy_(values[0])
+        params[0].data = transposed
+        for p, g in zip(params, gradients(1, dtype)):
+            p.grad = g.contiguous() if p is not params[0] else g.t().contiguous().t()
+        with pytest.raises(ValueError, match="laid out for shape"):
+            opt.step()
+        for p, was, state in zip(params, values, before):
+            assert torch.equal(p.detach(), was)
+            for name, value in state.items():
+                assert torch.equal(opt.state[p][name], value), name

@@ -38,8 +38,7 @@ def checked_flat_grads(params: list[Tensor], grads: list[Tensor], stepping: list
     (`sharded`: some of `params` may be DTensors)."""
     for t in stepping:
         p, g = params[t], grads[t]
-        if (g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.shape != p.shape or g.is_cuda != p.is_cuda
-                or g.get_device() != p.get_device() or sharded):
+        if g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.shape != p.shape or g.device != p.device or sharded:
             check_grad(p)  # raises where something is wrong (and checks a sharded gradient's placements)
     flat = []
     for t in stepping:
