@@ -52,8 +52,8 @@ def _native(name: str) -> Callable:
     (the ones it has: the compressed op's schema has no amsgrad)."""
 
     def run(backend: Backend, params: Sequence[Tensor], *lists, hyper, **keywords) -> None:
-        for p in params:
-            check_device(backend, p.device)
+        # The first parameter's device only: the op itself refuses a call whose tensors are on several devices.
+        check_device(backend, params[0].device)
         backend.require()
         op, hyper_names = _native_op(backend.native_namespace, name, type(hyper))
         op(list(params), *(list(x) for x in lists), **{n: getattr(hyper, n) for n in hyper_names}, **keywords)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fusedoff
-from fusedoff.offload import runtime
+from fusedoff.offload import runtimes
 from fusedoff.offload.simulator import SimulatedRuntime
 
 SHAPES = ((33, 7), (33,), (5, 33), (5,))
@@ -100,7 +100,7 @@ def device_of(placement: str):
     if placement != "simulated":
         yield
         return
-    with runtime.simulate(lambda device: SimulatedRuntime(device, seed=5)):
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
         yield
 
 

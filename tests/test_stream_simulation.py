@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fusedoff
-from fusedoff.offload import runtime
+from fusedoff.offload import runtimes
 from fusedoff.offload.simulator import RaceError, SimulatedRuntime
 
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]  # tensors spanning 32-element chunks and sharing them
@@ -95,7 +95,7 @@ def simulated(seed, make_opt, dtype, **kwargs):
         sims.append(SimulatedRuntime(device, seed=seed + 1000 * len(sims)))
         return sims[-1]
 
-    with runtime.simulate(factory):
+    with runtimes.simulate(factory):
         result = train(make_opt, dtype, sim=_LatestSim(sims), **kwargs)
     assert sims and all(sim.ops_run > 0 and sim.checked > 0 for sim in sims)  # the device side did run
     return result
@@ -212,7 +212,7 @@ def test_a_pass_starting_at_a_later_chunk_waits_for_the_stores_previous_pass(see
 
     want = run()
     sims = []
-    with runtime.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
+    with runtimes.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
         got = run()
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert torch.equal(a, b)
@@ -238,7 +238,7 @@ def test_host_writes_into_the_store_wait_for_the_copies_back(seed):
 
     want = run()
     sims = []
-    with runtime.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
+    with runtimes.simulate(lambda device: sims.append(SimulatedRuntime(device, seed=seed)) or sims[-1]):
         got = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -251,7 +251,7 @@ def test_auto_decides_the_budget_from_the_simulated_device_memory():
         # 90% of the total, less the peak, leaves room for all but 100 bytes of the states.
         return SimulatedRuntime(device, seed=0, total_memory=100_000, peak_memory=90_000 - needed + 100)
 
-    with runtime.simulate(factory):
+    with runtimes.simulate(factory):
         params = make_params(torch.float32)
         opt = fusedoff.AdamW(params, chunk_size=32)  # offload="auto"
         for p in params:
@@ -266,7 +266,7 @@ def test_auto_decides_the_budget_from_the_simulated_device_memory():
 
 
 def test_a_streamed_step_under_graph_capture_is_refused_before_anything_changes():
-    with runtime.simulate(lambda device: SimulatedRuntime(device, capturing=True)):
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, capturing=True)):
         params = make_params(torch.float32)
         opt = fusedoff.AdamW(params, offload="stream", chunk_size=32)
         for p in params:
@@ -287,7 +287,7 @@ def test_pinning_refused_falls_back_to_pageable_memory_with_a_warning():
         return fusedoff.AdamW(groups, **ADAM, offload="stream", chunk_size=32)
 
     want = train(make, torch.float32, steps=3)
-    with runtime.simulate(lambda device: SimulatedRuntime(device, pin_fails=True)):
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, pin_fails=True)):
         with pytest.warns(UserWarning, match="could not pin host memory"):
             got = train(make, torch.float32, steps=3)
     assert_equal_runs(got, want)

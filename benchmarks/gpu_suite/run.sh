@@ -21,6 +21,9 @@
 #   tests          100 s less the above       cuda_tests.py kernels: every other cuda test, not Triton  cuda-tests.log
 #                                             (each test: 60 s at most, TEST_TIMEOUT_S; a test that hangs
 #                                             in C ends its pytest, which starts again without it)
+#   host-cost      40 s                       bench_host_cost.py --device cuda: per-tensor step cost,   bench.log
+#                                             torch fused beside fusedoff resident and streamed (its
+#                                             table only: the CSV stays outside OUTDIR)
 #   bench          what is left but 95 s      bench_step.py --device cuda: the bound, then the targets'  bench.log,
 #                                             configurations at 1G, then the sweep 16M..1G; a CSV row per  bench_step_cuda.csv,
 #                                             contender as soon as it is measured; everything, building  .png, RESULTS.md
@@ -163,6 +166,13 @@ if [ -n "$ds_pid" ]; then
     say "-- deepspeed: its op was not built in time (or failed); the ZeRO-Offload peer is skipped"
   fi
   { echo "== deepspeed cpu_adam op build"; cat "$ds_log"; } >> "$out/build.log" 2>&1
+fi
+if [ "$build" -eq 0 ]; then
+  if [ "$gpu" = 1 ]; then host_cost=(--device cuda --repeats 10); else host_cost=(--device cpu --shapes 20x64 --repeats 2 --warmup 1); fi
+  run_stage host-cost "$(limit 40 200)" bench.log "$py" benchmarks/bench_host_cost.py "${host_cost[@]}" \
+    --out-dir "$(mktemp -d)"
+else
+  skip_stage host-cost "the build failed"
 fi
 deadline=$(( $(left) - 35 - ${TRITON_TESTS_S:-60} ))  # the Triton tests run after the bench
 (( deadline < 10 )) && deadline=10

@@ -36,7 +36,8 @@ from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateS
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
-from fusedoff.offload.runtime import Runtime, runtime_for
+from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
 from fusedoff.sharding import is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
