@@ -8,7 +8,7 @@ or views of the host store, never copies), so torch's machinery sees one source 
 
 The bucket follows what ``opt.state`` holds (`adopt`): a missing state starts afresh, an assigned
 tensor is taken by value into its place, an in-place edit is the state itself. It follows what
-the parameters hold too (`follow_params`, see [note: master weights follow the parameters]).
+the parameters hold too (`adopt_states`, see [note: master weights follow the parameters]).
 
 [note: host cost per tensor] A step's Python work per tensor is what decides the step time of a
 model with many small tensors. What a step needs and that only changes with the tensors
@@ -136,19 +136,6 @@ class Bucket:
             flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
         return flat
 
-    def follow_params(self, stepping: list[int]) -> None:
-        """Master weights of parameters written since the bucket last saw them taken from the
-        parameters (see [note: master weights follow the parameters])."""
-        if not self.follows:
-            return
-        watched, params = self.watched, self.params
-        for t in stepping:
-            local = local_tensor(params[t])
-            if watched[t] != (local._version, local.data_ptr()):
-                for name in self.follows:
-                    self._take_from_param(t, name)
-                self.remember_param(t)
-
     def remember_param(self, t: int) -> None:
         local = local_tensor(self.params[t])
         self.watched[t] = (local._version, local.data_ptr())
@@ -176,25 +163,37 @@ class Bucket:
             master.copy_(on_host)
 
     # ---- opt.state -----------------------------------------------------------------------------------
-    def adopt_param_state(self, t: int, state: dict) -> Tensor:
-        """``opt.state[params[t]]`` (read without waiting for the host: inside the step) made to hold
-        this bucket's tensors; returns its step count. A new or reset state (``del opt.state[p]``)
-        starts afresh, every state with it, as in torch."""
-        param = self.params[t]
-        values = dict.get(state, param)
-        if values is None:
-            values = {}
-            dict.__setitem__(state, param, values)
-        step = values.get("step")
-        if step is None:
-            values.clear()
-            step = values["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        for name, placed in self.placed.items():  # nothing replaced: nothing to adopt
-            value = values.get(name)
-            if value is None or value is not placed[t]:
-                self.adopt(t, values)
-                break
-        return step
+    def adopt_states(self, stepping: list[int], state: dict) -> list[Tensor]:
+        """``opt.state[params[t]]`` of each stepping tensor (read without waiting for the host: inside
+        the step) made to hold this bucket's tensors, and master weights of parameters written since
+        the bucket last saw them taken from the parameters (see [note: master weights follow the
+        parameters]); returns their step counts. A new or reset state (``del opt.state[p]``) starts
+        afresh, every state with it, as in torch."""
+        params, placed, watched, follows = self.params, tuple(self.placed.items()), self.watched, self.follows
+        steps = []
+        for t in stepping:
+            param = params[t]
+            values = dict.get(state, param)
+            if values is None:
+                values = {}
+                dict.__setitem__(state, param, values)
+            step = values.get("step")
+            if step is None:
+                values.clear()
+                step = values["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            steps.append(step)
+            for name, objects in placed:  # nothing replaced: nothing to adopt
+                value = values.get(name)
+                if value is None or value is not objects[t]:
+                    self.adopt(t, values)
+                    break
+            if follows:
+                local = local_tensor(param)
+                if watched[t] != (local._version, local.data_ptr()):
+                    for name in follows:
+                        self._take_from_param(t, name)
+                    self.remember_param(t)
+        return steps
 
     def adopt(self, t: int, state: dict) -> None:
         """Makes `state` (the dict ``opt.state[params[t]]``) hold this bucket's tensors for every

@@ -231,10 +231,7 @@ class OffloadEngine:
             if bucket is None:
                 bucket = self._place(key, members, key[3], rules._resolve_backend(group, key[1]))
                 bucket.check_layouts(stepping)
-            steps = []
-            for t in stepping:
-                steps.append(bucket.adopt_param_state(t, state))
-            bucket.follow_params(stepping)
+            steps = bucket.adopt_states(stepping, state)
             placed.append((group, bucket, stepping, grads, steps))
         for _, bucket, stepping, _, _ in placed:
             _check_capturable(bucket, stepping)

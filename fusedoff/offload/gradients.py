@@ -34,19 +34,14 @@ def check_grad(param: Tensor) -> None:
 
 
 def checked_flat_grads(params: list[Tensor], grads: list[Tensor], stepping: list[int], sharded: bool) -> list[Tensor]:
-    """The flat gradients `grads[t]` of `params[t]` for `t` in `stepping`, every one checked first
-    (`sharded`: some of `params` may be DTensors)."""
+    """The flat gradients `grads[t]` of `params[t]` for `t` in `stepping`, each checked (`sharded`:
+    some of `params` may be DTensors). Views only: nothing changes if one of them raises."""
+    flat = []
     for t in stepping:
         p, g = params[t], grads[t]
         if g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.shape != p.shape or g.device != p.device or sharded:
             check_grad(p)  # raises where something is wrong (and checks a sharded gradient's placements)
-    flat = []
-    for t in stepping:
-        g = grads[t]
-        if sharded:
-            g, p = local_tensor(g), local_tensor(params[t])
-        else:
-            p = params[t]
+            g, p = local_tensor(g), local_tensor(p)
         if g.is_contiguous() and (g.dim() <= 1 or p.is_contiguous()):
             flat.append(g.view(-1))
         else:

@@ -4,7 +4,7 @@ A streamed state is a view of host memory that the step's last copies back still
 ``step()`` returns (on CUDA, asynchronously). Reading a parameter's state through ``opt.state``
 first waits for those copies, once per step (a host synchronisation with the device, on the first
 read after a step only): a read after ``step()`` sees that step's values. The step itself reads
-the dicts without waiting (the engine's `Bucket.adopt_param_state`, through ``dict``'s own methods).
+the dicts without waiting (the engine's `Bucket.adopt_states`, through ``dict``'s own methods).
 """
 
 from __future__ import annotations
