@@ -144,6 +144,51 @@ def _plain_states_into_sharded_optimizer() -> tuple[str, bool]:
     return message, unchanged
 
 
+# ---- outside writes to sharded bf16 parameters -------------------------------------------------------
+# Shards made locally (DTensor.from_local: no collective, so the gloo backend need not carry bf16),
+# gradients set directly: AdamW is elementwise, so each rank's shard must equal the same rows of the
+# one-process run bit for bit; Apollo's whole-tensor sums are all-reduced, so within its summation error.
+OUTSIDE_WRITE = {"AdamW/none": dict(offload="none"), "AdamW/stream": dict(offload="stream", chunk_size=32),
+                 "Apollo/stream": dict(offload="stream", chunk_size=32)}
+OUTSIDE_SHAPES = ((13, 7), (13,), (5, 13))
+
+
+def _outside_write_run(name: str, rank: int | None) -> list[torch.Tensor]:
+    """Two steps, a write (``copy_`` under no_grad) to the first tensor, one more step: the rank's rows
+    of every tensor (rank None: one process, whole tensors)."""
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in OUTSIDE_SHAPES]
+    grads = [[torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in OUTSIDE_SHAPES] for _ in range(3)]
+    new = (torch.randn(OUTSIDE_SHAPES[0], generator=gen) + 2.0).to(torch.bfloat16)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return t if rank is None else t.chunk(WORLD)[rank].clone()
+
+    if rank is None:
+        shard = lambda t: t.clone()  # noqa: E731
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        shard = lambda t: DTensor.from_local(mine(t), mesh, [Shard(0)], run_check=False,  # noqa: E731
+                                             shape=t.shape, stride=t.stride())
+    params = [torch.nn.Parameter(shard(t)) for t in full]
+    kind, where = name.split("/")[0], OUTSIDE_WRITE[name]
+    if kind == "AdamW":
+        opt = fusedoff.AdamW(params, lr=1e-2, weight_decay=0.1, backend="cpu", **where)
+    else:
+        opt = fusedoff.Apollo(params, lr=0.05, warmup=2, rebound="belief", backend="cpu", **where)
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                params[0].copy_(shard(new))
+        for p, g in zip(params, grads[step]):
+            p.grad = shard(g)
+        opt.step()
+    return [(p.to_local() if rank is not None else p).detach().clone() for p in params]
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -178,6 +223,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
             train(model, opt, range(STEPS), rank)
             results["ddp"][name] = full_params(model.module)
         results["rejected"] = _plain_states_into_sharded_optimizer()
+        results["outside_write"] = {name: _outside_write_run(name, rank) for name in OUTSIDE_WRITE}
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -289,6 +335,23 @@ def test_an_unsharded_checkpoint_is_refused_by_a_sharded_optimizer(runs):
         message, unchanged = runs[rank]["rejected"]
         assert "must be a DTensor" in message and unchanged
 
+
+
+@pytest.mark.parametrize("name", list(OUTSIDE_WRITE))
+def test_a_write_to_a_sharded_parameter_is_where_the_next_step_starts(runs, name):
+    whole = _outside_write_run(name, None)
+    stale_kind, where = name.split("/")[0], OUTSIDE_WRITE[name]
+    for rank in range(WORLD):
+        got = runs[rank]["outside_write"][name]
+        for t, (shard, full) in enumerate(zip(got, whole)):
+            rows = full.chunk(WORLD)[rank]
+            if stale_kind == "AdamW":  # elementwise: exactly the one-process rows
+                assert torch.equal(shard, rows), (rank, t)
+            else:  # whole-tensor sums added in another order: within a bf16 ulp of the parameter
+                torch.testing.assert_close(shard.float(), rows.float(), rtol=2**-7, atol=1e-3)
+    # The written tensor moved from the written value, not from its old master (3 steps from the start).
+    new_rows = torch.cat([runs[r]["outside_write"][name][0] for r in range(WORLD)])
+    assert (new_rows.float() - whole[0].float()).abs().max() <= 0.05 * whole[0].float().abs().max() + 0.05
 
 
 def test_inf_norm_clip_with_an_empty_shard(runs, single):

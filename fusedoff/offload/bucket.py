@@ -71,8 +71,8 @@ class Bucket:
     sharded: list[bool] = field(init=False)
     # The object last placed in opt.state[p][name] for each tensor (None: none yet).
     placed: dict[str, list[Tensor | None]] = field(init=False)
-    # Per tensor: (version, data pointer) of the parameter's local tensor when its master was last
-    # known to hold the parameter's value (None: to be checked at the next step).
+    # Per tensor: (versions of the parameter and its local tensor, the local data pointer) when its
+    # master was last known to hold the parameter's value (None: to be checked at the next step).
     watched: list[tuple[int, int] | None] = field(init=False)
     # Per tensor: the parameter's (data pointer, shape, strides) its flat view and states were made for.
     _layouts: list[tuple | None] = field(init=False)
@@ -137,8 +137,10 @@ class Bucket:
         return flat
 
     def remember_param(self, t: int) -> None:
-        local = local_tensor(self.params[t])
-        self.watched[t] = (local._version, local.data_ptr())
+        param = self.params[t]
+        local = local_tensor(param)
+        # A DTensor's own in-place ops count on the DTensor, the kernels' writes on its local tensor.
+        self.watched[t] = (param._version, local._version, local.data_ptr())
 
     def remember_params(self, stepping: list[int]) -> None:
         """After the step has written the parameters: their versions now are the step's own."""
@@ -189,7 +191,7 @@ class Bucket:
                     break
             if follows:
                 local = local_tensor(param)
-                if watched[t] != (local._version, local.data_ptr()):
+                if watched[t] != (param._version, local._version, local.data_ptr()):
                     for name in follows:
                         self._take_from_param(t, name)
                     self.remember_param(t)
