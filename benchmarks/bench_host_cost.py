@@ -17,6 +17,7 @@ element for fp32 AdamW) with the time they take at the bound measured in the sam
 (timing.bandwidth_kernels): where the step is far above that time, the cost is per tensor.
 
     .venv/bin/python benchmarks/bench_host_cost.py                      # the issue's shapes, results/
+    .venv/bin/python benchmarks/bench_host_cost.py --before OLD.csv     # and an older build's rows beside them
     .venv/bin/python benchmarks/bench_host_cost.py --shapes 20x64 --repeats 3 --out-dir /tmp/b   # smoke
 """
 
@@ -95,6 +96,19 @@ def format_table(rows: list[dict]) -> str:
     ])
 
 
+def plot(rows: list[dict], before: list[dict], path: Path, title: str) -> None:
+    """One panel per shape: median step time per contender, this build's and `before`'s fusedoff rows."""
+    shown = []
+    for r in rows + [{**b, "contender": f"{b['contender']} (before)"} for b in before if b["contender"] != "torch"]:
+        shown.append({**r, "ms_median": r["step_ms_median"], "ms_q10": r["step_ms_q10"], "ms_q90": r["step_ms_q90"],
+                      "bytes_per_param": BYTES_PER_ELEMENT})
+    groups: dict[str, list[dict]] = {}
+    for r in shown:
+        groups.setdefault(str(r["shape"]), []).append(r)
+    timing.plot_step_bars(groups, path, title, label=lambda r: str(r["contender"]).replace(" (", "\n("),
+                          highlight=lambda r: r["contender"] in ("resident", "stream"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="COUNTxNUMEL, e.g. 2000x64")
@@ -102,6 +116,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=timing.RESULTS_DIR)
+    parser.add_argument("--before", type=Path, help="a CSV of this script from an older build, plotted beside")
     parser.add_argument("--label", default="", help="appended to the results section's title (e.g. 'before')")
     args = parser.parse_args()
     rows = []
@@ -114,7 +129,16 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench_host_cost_{args.device}" + (f"_{args.label}" if args.label else "")
     timing.write_csv(args.out_dir / f"{stem}.csv", rows, meta)
-    markdown = (f"{timing.hardware_lines(meta)}\n\n`{timing.command_line()}`\n\n{format_table(rows)}\n")
+    before = timing.read_csv(args.before) if args.before else []
+    try:
+        plot(rows, before, args.out_dir / f"{stem}.png", f"optimizer step per tensor count x size, {args.device}, "
+             f"{meta['cpu_model']}, {torch.get_num_threads()} threads")
+    except ImportError:
+        print("(no matplotlib: no plot)")
+    markdown = (f"{timing.hardware_lines(meta)}\n- load: {meta['load']}\n\n`{timing.command_line()}`\n\n"
+                f"{format_table(rows)}\n")
+    if before:
+        markdown += f"\nThe older build's rows (`{args.before.name}`):\n\n{format_table(before)}\n"
     timing.update_results_section(args.out_dir / "RESULTS.md", f"bench_host_cost {args.device} {args.label}".strip(),
                                   markdown)
     print(markdown)

@@ -83,6 +83,12 @@ class Bucket:
 
     def __post_init__(self) -> None:
         n = len(self.params)
+        # The step counts (torch's ``state["step"]``, fp32 on the parameters' device) of every tensor
+        # of the bucket in one vector, each ``opt.state[p]["step"]`` a 0-d view of its element: one
+        # add counts a step for all (a list of 0-d tensors costs a kernel launch, or a loop, per tensor).
+        self.step_counts = torch.zeros(n, dtype=torch.float32, device=self.params[0].device)
+        self._step_views: list[Tensor | None] = [None] * n
+        self._step_indices: dict[tuple, Tensor] = {}
         self.sharded = [bool(shard_groups(p)) for p in self.params]
         self.placed = {name: [None] * n for name in self.specs}
         self.watched = [None] * n
@@ -136,6 +142,20 @@ class Bucket:
             flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
         return flat
 
+    def increment_steps(self, stepping: list[int], found_inf: Tensor | None) -> None:
+        """Adds one to the step counts of `stepping`, or nothing where ``found_inf`` is non-zero (any
+        non-zero flag skips, NaN too, as in the kernels: see ops.increment_steps_), without a host sync."""
+        counts = self.step_counts
+        stepped = 1.0 if found_inf is None else (found_inf.reshape(()).to(counts.device) == 0).to(counts.dtype)
+        if len(stepping) == len(counts):
+            counts.add_(stepped)
+            return
+        key = tuple(stepping)
+        index = self._step_indices.get(key)
+        if index is None:
+            index = self._step_indices[key] = torch.tensor(stepping, dtype=torch.long, device=counts.device)
+        counts.index_add_(0, index, torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped)
+
     def remember_param(self, t: int) -> None:
         param = self.params[t]
         local = local_tensor(param)
@@ -172,6 +192,7 @@ class Bucket:
         parameters]); returns their step counts. A new or reset state (``del opt.state[p]``) starts
         afresh, every state with it, as in torch."""
         params, placed, watched, follows = self.params, tuple(self.placed.items()), self.watched, self.follows
+        views = self._step_views
         steps = []
         for t in stepping:
             param = params[t]
@@ -179,11 +200,17 @@ class Bucket:
             if values is None:
                 values = {}
                 dict.__setitem__(state, param, values)
-            step = values.get("step")
-            if step is None:
-                values.clear()
-                step = values["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            steps.append(step)
+            step, view = values.get("step"), views[t]
+            if step is not view or view is None:
+                if view is None:
+                    view = views[t] = self.step_counts[t]
+                if step is None:
+                    values.clear()  # a new or reset state: every state starts afresh
+                    view.zero_()
+                else:  # a loaded or assigned count, taken by value
+                    view.copy_(step.reshape(()) if isinstance(step, Tensor) else torch.tensor(float(step)))
+                values["step"] = view
+            steps.append(view)
             for name, objects in placed:  # nothing replaced: nothing to adopt
                 value = values.get(name)
                 if value is None or value is not objects[t]:

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from fusedoff.ops import increment_steps_
 from fusedoff.offload import placement
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.gradients import checked_flat_grads
@@ -237,7 +236,7 @@ class OffloadEngine:
             _check_capturable(bucket, stepping)
         for group, bucket, stepping, grads, steps in placed:
             divisor, found_inf = scaling(bucket.device)
-            increment_steps_(steps, found_inf)
+            bucket.increment_steps(stepping, found_inf)
             update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
             self._run(bucket, update, stepping, grads, steps)
             bucket.remember_params(stepping)

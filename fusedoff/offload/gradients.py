@@ -42,7 +42,10 @@ def checked_flat_grads(params: list[Tensor], grads: list[Tensor], stepping: list
         if g.is_sparse or g.dtype not in SUPPORTED_DTYPES or g.shape != p.shape or g.device != p.device or sharded:
             check_grad(p)  # raises where something is wrong (and checks a sharded gradient's placements)
             g, p = local_tensor(g), local_tensor(p)
-        if g.is_contiguous() and (g.dim() <= 1 or p.is_contiguous()):
+        dim, contiguous = g.dim(), g.is_contiguous()
+        if dim == 1 and contiguous:  # biases and norm weights, most of a model's tensors: flat already
+            flat.append(g)
+        elif contiguous and (dim == 0 or p.is_contiguous()):
             flat.append(g.view(-1))
         else:
             flat.append(flat_view(in_layout_of(g, p)))
