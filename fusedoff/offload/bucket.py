@@ -96,6 +96,10 @@ class Bucket:
         self._flat_params = [None] * n
         self._flat_states = {name: [None] * n for name in self.specs}
         self._resident_calls, self._piece_views = {}, {}
+        # The event of each chunk's last computation (chunk index -> event), and each streamed
+        # tensor's chunks: what a forward that reads the tensor waits for when steps overlap it.
+        self.chunk_done: dict[int, object] = {}
+        self._tensor_chunks: list[list[int]] | None = None
         self.follows = tuple(name for name, spec in self.specs.items() if spec.follows_param)
 
     @property
@@ -105,6 +109,15 @@ class Bucket:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.specs)
+
+    def chunks_of_tensor(self, t: int) -> list[int]:
+        """The indices of the chunks holding pieces of tensor `t` (none for a resident tensor)."""
+        if self._tensor_chunks is None:
+            self._tensor_chunks = [[] for _ in self.params]
+            for chunk in self.plan.chunks:
+                for piece in chunk.pieces:
+                    self._tensor_chunks[piece.tensor].append(chunk.index)
+        return self._tensor_chunks[t]
 
     def _forget_views(self, t: int | None = None) -> None:
         self._resident_calls.clear()

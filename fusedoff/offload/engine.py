@@ -24,6 +24,7 @@ with HostStateStore's `view`/`chunk` and a `Runtime` that copies to and from it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -79,6 +80,8 @@ class OffloadEngine:
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
         self._host_pending = False
+        self.forward_order: dict[int, int] | None = None  # see overlap()
+        self._waits: dict = {}  # wait_for's chunks per parameter set
 
     def config(self, **changes) -> dict:
         """The arguments that make an engine configured as this one (with `changes`); a copy of an
@@ -150,6 +153,7 @@ class OffloadEngine:
             if pipeline is None:
                 pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
             store = HostStateStore(plan, specs, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
+        self._waits.clear()  # a parameter set's chunks may lie in this bucket
         bucket = self.buckets[key] = Bucket(params, {s.name: s for s in specs}, backend, resident, plan, store,
                                             pipeline, rt, self.wait_host)
         self._device_peak = max(self._device_peak, self.device_bytes)
@@ -203,6 +207,8 @@ class OffloadEngine:
         """One step of every parameter of `groups` that has a gradient. `state` is ``opt.state``;
         `scaling(device)` the gradient divisor (GradScaler's scale, clipping) and found_inf there.
         Everything is checked before any state or parameter changes."""
+        if self.forward_order is not None:  # the previous step's chunks: done before this one counts steps
+            self.join()
         if self.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
         work = []
@@ -234,17 +240,83 @@ class OffloadEngine:
             placed.append((group, bucket, stepping, grads, steps))
         for _, bucket, stepping, _, _ in placed:
             _check_capturable(bucket, stepping)
+        runs = []
         for group, bucket, stepping, grads, steps in placed:
             divisor, found_inf = scaling(bucket.device)
             bucket.increment_steps(stepping, found_inf)
             update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
-            self._run(bucket, update, stepping, grads, steps)
-            bucket.remember_params(stepping)
+            runs.append(self._prepare(bucket, update, stepping, grads, steps))
+        if self.forward_order is None:
+            for run in runs:
+                self._run(run, overlapped=False)
+        else:
+            self._run_in_forward_order(runs)
+        for run in runs:
+            run.bucket.remember_params(run.stepping)
 
-    def _run(self, bucket: Bucket, update: FusedUpdate, stepping: list[int], grads: list[Tensor],
-             steps: list[Tensor]) -> None:
-        """One step of `update` over the tensors `stepping` of `bucket` (their flat gradients and
-        step counts in `grads` and `steps`)."""
+    # ---- overlap with the next forward -------------------------------------------------------------
+    def overlap(self, forward_order: dict[int, int] | None) -> None:
+        """Steps from now on end without the main stream waiting for the streamed chunks: the caller
+        makes the main stream wait for the chunks of the parameters it is about to read
+        (`wait_for`), parameters being updated in `forward_order` (id(param) -> position; None: as
+        before, the whole step joined). See [note: overlap with the next forward]."""
+        self.join()
+        self.forward_order = forward_order
+        self._waits.clear()
+
+    def join(self) -> None:
+        """The main stream waits for every queued chunk of every bucket (the plain step's end)."""
+        for pipeline in self.pipelines.values():
+            pipeline.join()
+
+    def wait_for(self, key, params: Sequence[Tensor]) -> None:
+        """The main stream waits for the chunks holding `params` (their last step's update); resident
+        parameters were updated on the main stream already. `key` names the set for the cache."""
+        waits = self._waits.get(key)
+        if waits is None:
+            waits = self._waits[key] = self._chunks_of(params)
+        for bucket, chunks in waits:
+            rt = bucket.runtime
+            main = rt.current_stream()
+            done = bucket.chunk_done
+            for c in chunks:
+                rt.wait_event(main, done.get(c))
+
+    def _chunks_of(self, params: Sequence[Tensor]) -> list[tuple[Bucket, list[int]]]:
+        wanted = {id(p) for p in params}
+        found = []
+        for bucket in self.buckets.values():
+            chunks = sorted({c for t, p in enumerate(bucket.params) if id(p) in wanted and not bucket.resident[t]
+                             for c in bucket.chunks_of_tensor(t)})
+            if chunks:
+                found.append((bucket, chunks))
+        return found
+
+    def _run_in_forward_order(self, runs: list["_Run"]) -> None:
+        """Every bucket's step with the chunks of single-pass updates interleaved across buckets in
+        the order the next forward reads their parameters, and no join at the end."""
+        order = self.forward_order
+        schedule = []
+        for k, run in enumerate(runs):
+            self._run(run, overlapped=True, whole_pass=False)
+            for chunk in run.whole_pass:
+                first = min((order.get(id(run.bucket.params[p.tensor]), len(order)) for p in chunk.pieces),
+                            default=len(order))
+                schedule.append((first, k, chunk.index, chunk))
+        schedule.sort(key=lambda entry: entry[:3])
+        start = 0
+        while start < len(schedule):  # runs of consecutive chunks of one bucket: one pass each
+            end = start
+            while end < len(schedule) and schedule[end][1] == schedule[start][1]:
+                end += 1
+            run = runs[schedule[start][1]]
+            self._stream(run, run.update.phases, [entry[3] for entry in schedule[start:end]])
+            start = end
+
+    def _prepare(self, bucket: Bucket, update: FusedUpdate, stepping: list[int], grads: list[Tensor],
+                 steps: list[Tensor]) -> "_Run":
+        """What one step of `update` over the tensors `stepping` of `bucket` (their flat gradients
+        and step counts in `grads` and `steps`) runs: resident calls and streamed chunks."""
         rt = bucket.runtime
         stats = None
         if update.stats_columns:
@@ -268,40 +340,57 @@ class OffloadEngine:
             whole_pass = [c for c in chunks if bucket.plan.whole_tensors_only(c)
                           and not any(bucket.sharded[p.tensor] for p in c.pieces)]
             spanning = [c for c in chunks if c not in whole_pass]
-        touches = ()
+        touches = []
         if chunks:
             touches = [*(bucket.flat_param(t) for t in grads_of), *grads_of.values(), *steps_of.values(),
                        *(() if stats is None else (stats,))]
-        if whole_pass:
-            self._stream(bucket, update, update.phases, whole_pass, grads_of, steps_of, stats, touches)
         resident_calls = bucket.resident_calls(resident, resident_grads, resident_steps, stats) if resident else []
-        for phase in update.phases:
-            if spanning:
-                self._stream(bucket, update, (phase,), spanning, grads_of, steps_of, stats, touches)
-            for args in resident_calls:  # on the current stream, beside the pipeline's work
-                update.call(phase, args)
-            if chunks:
-                bucket.pipeline.join()
-            if update.after_phase is not None:
-                update.after_phase(phase, stats, bucket.params)
-        if chunks:
-            self._host_pending = True
+        return _Run(bucket, update, stepping, stats, resident_calls, chunks, whole_pass, spanning, grads_of, steps_of,
+                    touches)
 
-    def _stream(self, bucket: Bucket, update: FusedUpdate, phases: tuple[Phase, ...], chunks: list[Chunk],
-                grads, steps, stats, touches) -> None:
+    def _run(self, run: "_Run", *, overlapped: bool, whole_pass: bool = True) -> None:
+        """Runs `run`: its single-pass chunks first (unless `whole_pass` is False: the caller
+        schedules them), then phase by phase its spanning chunks and its resident tensors; the main
+        stream joins the pipeline between phases, and at the end unless `overlapped`."""
+        bucket, update = run.bucket, run.update
+        if run.chunks:
+            self._host_pending = True
+            if overlapped:  # memory the chunks read that the main stream may free or reuse before they ran
+                for t in (*run.grads_of.values(), *(() if run.stats is None else (run.stats,))):
+                    bucket.runtime.keep_alive(t, bucket.pipeline.compute)
+        if whole_pass and run.whole_pass:
+            self._stream(run, update.phases, run.whole_pass)
+        last = len(update.phases) - 1
+        for k, phase in enumerate(update.phases):
+            if run.spanning:
+                self._stream(run, (phase,), run.spanning)
+            for args in run.resident_calls:  # on the current stream, beside the pipeline's work
+                update.call(phase, args)
+            if k < last:  # the next phase reads what this one accumulated over whole tensors
+                if run.chunks:
+                    bucket.pipeline.join()
+                if update.after_phase is not None:
+                    update.after_phase(phase, run.stats, bucket.params)
+            elif run.chunks and not overlapped:
+                bucket.pipeline.join()
+
+    def _stream(self, run: "_Run", phases: tuple[Phase, ...], chunks: list[Chunk]) -> None:
+        bucket, update = run.bucket, run.update
         if len(phases) == len(update.phases):
             read, write = update.reads, update.writes
         else:
             (phase,) = phases
             read, write = phase.reads, phase.writes
+        grads, steps, stats = run.grads_of, run.steps_of, run.stats
 
         def compute(chunk: Chunk, buffers: dict[str, Tensor]) -> None:
             for phase in phases:
                 for args in bucket.chunk_calls(chunk, buffers, grads, steps, stats):
                     update.call(phase, args)
 
-        bucket.pipeline.run(bucket.plan, bucket.store, read=read, write=write, compute=compute, touches=touches,
-                            chunks=chunks)
+        done = bucket.pipeline.run(bucket.plan, bucket.store, read=read, write=write, compute=compute,
+                                   touches=run.touches, chunks=chunks)
+        bucket.chunk_done.update(done)
 
     # ---- loading -------------------------------------------------------------------------------
     def place_loaded(self, groups: list[dict], state: dict, rules: OptimizerRules) -> None:
@@ -316,7 +405,10 @@ class OffloadEngine:
                 values = dict.get(state, p)
                 if values:
                     converted[p] = dict(rules._loaded_states(group, p, values))
+        self.join()  # the old buckets' last chunks: done before a forward reads their parameters
+        forward_order = self.forward_order
         self.__init__(**self.config(decided={}))
+        self.forward_order = forward_order
         for index, group in enumerate(groups):
             for key, (params, _) in self._members(index, group, rules).items():
                 loaded = [(t, p) for t, p in enumerate(params) if dict.get(state, p)]
@@ -389,6 +481,23 @@ class OffloadEngine:
             # (offload="none", CPU parameters under "auto"); a dict by device for several devices.
             "device_budget": limits[0] if len(limits) == 1 else {str(d): b for d, b in self.budget.limits.items()} or None,
         }
+
+
+@dataclass
+class _Run:
+    """One bucket's step, prepared: what `_run` and `_stream` need."""
+
+    bucket: Bucket
+    update: FusedUpdate
+    stepping: list[int]
+    stats: Tensor | None
+    resident_calls: list
+    chunks: list[Chunk]
+    whole_pass: list[Chunk]
+    spanning: list[Chunk]
+    grads_of: dict[int, Tensor]
+    steps_of: dict[int, Tensor]
+    touches: list[Tensor]
 
 
 def _check_capturable(bucket: Bucket, stepping: list[int]) -> None:

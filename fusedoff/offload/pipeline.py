@@ -60,10 +60,12 @@ class StreamPipeline:
 
     def run(self, plan: ChunkPlan, store: HostStateStore, *, read: Iterable[str], write: Iterable[str],
             compute: Callable[[Chunk, dict[str, Tensor]], None], touches: Iterable[Tensor] = (),
-            chunks: Iterable[Chunk] | None = None) -> None:
+            chunks: Iterable[Chunk] | None = None) -> dict[int, object]:
         """One pass over every chunk (or over `chunks`). `touches` are the device tensors the compute
         reads or writes besides the buffers (parameters, gradients, steps, stats): produced on the
-        main stream, which the compute waits for, and final for main after `join`."""
+        main stream, which the compute waits for, and final for main after `join`, or chunk by chunk
+        after the main stream waits for a chunk's event in the returned {chunk index: event}
+        (the chunk computed)."""
         rt = self.runtime
         # Every written state is also read: a chunk buffer goes back to host memory whole, and the
         # pieces of tensors that sit out this step must go back as they came.
@@ -76,6 +78,7 @@ class StreamPipeline:
         if self._ensure_bytes(set_bytes):  # new buffers come from main's pool: blocks main may still use
             rt.wait_stream(self.copy_in, main)
         rt.wait_event(self.copy_in, self._last_copy_out.get(id(store)))  # this store's previous pass
+        done = {}
         for k, chunk in enumerate(chunks):
             slot = k % len(self.buffers)
             buffers = self._views(slot, chunk, store, regions)
@@ -86,12 +89,13 @@ class StreamPipeline:
             rt.wait_event(self.compute, loaded)
             rt.launch(self.compute, lambda chunk=chunk, buffers=buffers: compute(chunk, buffers),
                       reads=[*buffers.values(), *touches], writes=[*(buffers[n] for n in write), *touches])
-            computed = rt.record(self.compute)
+            computed = done[chunk.index] = rt.record(self.compute)
             rt.wait_event(self.copy_out, computed)
             for name in write:
                 rt.copy(self.copy_out, store.chunk(name, chunk), buffers[name])
             self._free[slot] = rt.record(self.copy_out)
         self._last_copy_out[id(store)] = rt.record(self.copy_out)
+        return done
 
     def join(self) -> None:
         """The main stream waits for every computed chunk: the parameters (and the stats the

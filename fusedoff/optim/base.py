@@ -20,6 +20,7 @@ from fusedoff.backends import backend_named, resolve_backend
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, StateSpec
 from fusedoff.optim import checkpoint, clipping
+from fusedoff.optim.overlap import OverlapHandle, overlap_with
 from fusedoff.optim.state import OptimizerState
 from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_torch_flags
 
@@ -131,14 +132,30 @@ class FusedOptimizer(Optimizer):
         self._clip_coef = clipping.clip_coefficient(max_norm, total)
         return total
 
+    # ---- overlap with the next forward ---------------------------------------------------------------
+    def overlap_with(self, model: torch.nn.Module, order=None) -> "OverlapHandle":
+        """Lets the next forward start while the streamed step still runs: each module's forward
+        waits only for the chunks holding its own parameters (see [note: overlap with the next
+        forward] in fusedoff/optim/overlap.py). Returns a handle: ``remove()`` takes the hooks away,
+        ``wait()`` waits for the whole step (before reading parameters outside their module's forward)."""
+        return overlap_with(self, model, order)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroed in place on the main stream: after the chunks that read them
+            self._engine.join()
+        super().zero_grad(set_to_none)
+
     # ---- placement -----------------------------------------------------------------------------
     def set_device_budget(self, device_budget: int | None) -> None:
         """Changes the bytes of state kept on the parameters' device (None: as at construction,
         for offload='auto' decided again at the next step). Every state is placed afresh at the
         next step, keeping its value; until then states stay where they are."""
         self._engine.wait_host()
+        self._engine.join()
+        forward_order = self._engine.forward_order
         self._config = {**self._config, "device_budget": device_budget}
         self._start_engine(self._config)
+        self._engine.overlap(forward_order)
         self._wrap_state()
 
     def memory_stats(self) -> dict:
