@@ -64,7 +64,7 @@ class Rates:
     both: float = 100e9  # bytes/s both directions together, when both are busy
     device_memory: float = 4.8e12  # bytes/s, published peak
     device_memory_fraction: float = 0.8  # of the peak a streaming kernel reaches (assumed)
-    host_call: float = 10e-6  # seconds of host time per runtime call (see the docstring)
+    host_call: float = 6.4e-6  # seconds of host time per runtime call: predict_step.py, RESULTS.md
 
     @property
     def kernel_rate(self) -> float:
