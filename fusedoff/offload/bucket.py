@@ -14,9 +14,10 @@ the parameters hold too (`adopt_states`, see [note: master weights follow the pa
 model with many small tensors. What a step needs and that only changes with the tensors
 themselves (flat views of parameters and states, the fused calls' lists, the chunk pieces' views
 of the streaming buffers, the dense-layout check of a parameter) is made once and kept while
-nothing it depends on changed: the set of tensors stepping, the parameters' storage (checked by
-data pointer every step, one attribute read), and the state objects (checked by identity every
-step in `adopt`). Gradients, which are new tensors at every backward, are the only per-step views.
+nothing it depends on changed: the set of tensors stepping (the last set only), the parameters'
+storage (checked by data pointer every step, one attribute read), the state objects (checked by
+identity every step in `adopt_states`) and the pipeline's buffer sets (the chunk pieces' views are
+dropped when they are replaced). Gradients, new tensors at every backward, are the only per-step views.
 
 [note: master weights follow the parameters] torch's optimizers step from what a parameter holds.
 A master weight (a `follows_param` state) is a more precise copy of its parameter, and the step
@@ -73,7 +74,7 @@ class Bucket:
     placed: dict[str, list[Tensor | None]] = field(init=False)
     # Per tensor: (versions of the parameter and its local tensor, the local data pointer) when its
     # master was last known to hold the parameter's value (None: to be checked at the next step).
-    watched: list[tuple[int, int] | None] = field(init=False)
+    watched: list[tuple[int, int, int] | None] = field(init=False)
     # Per tensor: the parameter's (data pointer, shape, strides) its flat view and states were made for.
     _layouts: list[tuple | None] = field(init=False)
     _flat_params: list[Tensor | None] = field(init=False)
@@ -96,6 +97,7 @@ class Bucket:
         self._flat_params = [None] * n
         self._flat_states = {name: [None] * n for name in self.specs}
         self._resident_calls, self._piece_views = {}, {}
+        self._piece_generation = -1
         # The event of each chunk's last computation (chunk index -> event), and each streamed
         # tensor's chunks: what a forward that reads the tensor waits for when steps overlap it.
         self.chunk_done: dict[int, object] = {}
@@ -166,6 +168,7 @@ class Bucket:
         key = tuple(stepping)
         index = self._step_indices.get(key)
         if index is None:
+            self._step_indices.clear()
             index = self._step_indices[key] = torch.tensor(stepping, dtype=torch.long, device=counts.device)
         counts.index_add_(0, index, torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped)
 
@@ -328,6 +331,7 @@ class Bucket:
         key = (tuple(tensors), _dtypes(grads))
         cached = self._resident_calls.get(key)
         if cached is None:
+            self._resident_calls.clear()  # one set of tensors kept: a run whose stepping set varies keeps no more
             rows_by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
             for i, g in enumerate(grads):
                 rows_by_dtype[g.dtype].append(i)
@@ -340,10 +344,11 @@ class Bucket:
                     steps=[], stats=[], total_numels=[self.params[t].numel() for t in ts], offsets=[0] * len(ts))))
             self._resident_calls[key] = cached
         calls = []
+        stat_rows = stats.unbind(0) if stats is not None else ()
         for rows, args in cached:
             calls.append(UpdateArgs(
                 tensors=args.tensors, params=args.params, grads=[grads[i] for i in rows], states=args.states,
-                steps=[steps[i] for i in rows], stats=[stats[t] for t in args.tensors] if stats is not None else [],
+                steps=[steps[i] for i in rows], stats=[stat_rows[t] for t in args.tensors] if stats is not None else [],
                 total_numels=args.total_numels, offsets=args.offsets))
         return calls
 
@@ -351,6 +356,9 @@ class Bucket:
                     steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
         """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor steps.
         The pieces' views of the parameters and of the buffers are kept per chunk and buffer set."""
+        if self._piece_generation != self.pipeline.generation:  # views of retired buffer sets: let them go
+            self._piece_views.clear()
+            self._piece_generation = self.pipeline.generation
         key = (chunk.index, tuple((name, buf.data_ptr()) for name, buf in buffers.items()))
         cached = self._piece_views.get(key)
         if cached is None:
@@ -363,6 +371,7 @@ class Bucket:
             if grad is not None:
                 by_dtype[grad.dtype].append(entry)
         calls = []
+        stat_rows = stats.unbind(0) if stats is not None else ()
         for entries in by_dtype.values():
             pieces = [e[0] for e in entries]
             calls.append(UpdateArgs(
@@ -371,7 +380,7 @@ class Bucket:
                 grads=[_piece_of(grads[p.tensor], p, self.plan) for p in pieces],
                 states={name: [e[2][name] for e in entries] for name in buffers},
                 steps=[steps[p.tensor] for p in pieces],
-                stats=[stats[p.tensor] for p in pieces] if stats is not None else [],
+                stats=[stat_rows[p.tensor] for p in pieces] if stats is not None else [],
                 total_numels=[self.params[p.tensor].numel() for p in pieces],
                 offsets=[p.tensor_offset for p in pieces],
             ))

@@ -162,22 +162,35 @@ class OffloadEngine:
     def _members(self, index: int, group: dict, rules: OptimizerRules) -> dict[tuple, tuple[list[Tensor], bool]]:
         """The buckets of param group `index`: key -> (members: every parameter of the group with the
         key's device, dtype and states, in the group's order; whether any is sharded), kept while the
-        group's tensors are."""
+        group's tensors and the states it keeps for each dtype are the same. When they change, the
+        group's placed buckets are dropped: its tensors are placed afresh at their next step, their
+        states taken by value from ``opt.state``."""
         params = group["params"]
-        signature = tuple(map(id, params)), tuple(p.dtype for p in params)
+        dtypes = tuple(p.dtype for p in params)
+        specs_of = {dtype: rules._bucket_specs(group, dtype) for dtype in set(dtypes)}
+        signature = tuple(map(id, params)), dtypes, specs_of
         known = self._groups.get(index)
         if known is not None and known[0] == signature:
             return known[1]
+        if known is not None:
+            self.wait_host()
+            for key in [key for key in self.buckets if key[0] == index]:
+                del self.buckets[key]
+            self._waits.clear()
         members: dict[tuple, list[Tensor]] = {}
-        specs_of = {}
         for p in params:
-            specs = specs_of.get(p.dtype)
-            if specs is None:
-                specs = specs_of[p.dtype] = rules._bucket_specs(group, p.dtype)
-            members.setdefault((index, p.device, p.dtype, specs), []).append(p)
+            members.setdefault((index, p.device, p.dtype, specs_of[p.dtype]), []).append(p)
         members = {key: (params, any(map(is_dtensor, params))) for key, params in members.items()}
         self._groups[index] = (signature, members)
         return members
+
+    def _forget_groups_from(self, count: int) -> None:
+        """Buckets and memberships of param groups that no longer exist (indices >= `count`)."""
+        for index in [index for index in self._groups if index >= count]:
+            del self._groups[index]
+        for key in [key for key in self.buckets if key[0] >= count]:
+            del self.buckets[key]
+            self._waits.clear()
 
     def storage_changed(self, groups: list[dict], rules: OptimizerRules) -> bool:
         """True when a group's options now store its states otherwise than its placed buckets do
@@ -206,9 +219,11 @@ class OffloadEngine:
              scaling: Callable[[torch.device], tuple[Tensor | None, Tensor | None]]) -> None:
         """One step of every parameter of `groups` that has a gradient. `state` is ``opt.state``;
         `scaling(device)` the gradient divisor (GradScaler's scale, clipping) and found_inf there.
-        Everything is checked before any state or parameter changes."""
+        Gradients, parameters, options and every bucket's update are checked and made before any
+        state, step count or parameter changes."""
         if self.forward_order is not None:  # the previous step's chunks: done before this one counts steps
             self.join()
+        self._forget_groups_from(len(groups))
         if self.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
         work = []
@@ -236,15 +251,17 @@ class OffloadEngine:
             if bucket is None:
                 bucket = self._place(key, members, key[3], rules._resolve_backend(group, key[1]))
                 bucket.check_layouts(stepping)
-            steps = bucket.adopt_states(stepping, state)
-            placed.append((group, bucket, stepping, grads, steps))
-        for _, bucket, stepping, _, _ in placed:
+            divisor, found_inf = scaling(bucket.device)
+            update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
+            placed.append((bucket, update, stepping, grads, found_inf))
+        # Nothing has changed up to here but placements (which keep every value) and checked views;
+        # adoption only gives new tensors their fresh states.
+        steps_of = [bucket.adopt_states(stepping, state) for bucket, _, stepping, _, _ in placed]
+        for bucket, _, stepping, _, _ in placed:
             _check_capturable(bucket, stepping)
         runs = []
-        for group, bucket, stepping, grads, steps in placed:
-            divisor, found_inf = scaling(bucket.device)
+        for (bucket, update, stepping, grads, found_inf), steps in zip(placed, steps_of):
             bucket.increment_steps(stepping, found_inf)
-            update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
             runs.append(self._prepare(bucket, update, stepping, grads, steps))
         if self.forward_order is None:
             for run in runs:
@@ -407,7 +424,9 @@ class OffloadEngine:
                     converted[p] = dict(rules._loaded_states(group, p, values))
         self.join()  # the old buckets' last chunks: done before a forward reads their parameters
         forward_order = self.forward_order
+        peak = max(self._device_peak, self.device_bytes)
         self.__init__(**self.config(decided={}))
+        self._device_peak = peak  # the most the optimizer has held, over its whole life
         self.forward_order = forward_order
         for index, group in enumerate(groups):
             for key, (params, _) in self._members(index, group, rules).items():

@@ -50,6 +50,7 @@ class StreamPipeline:
         # Sets replaced by larger ones, held until the host has waited for every queued copy (their
         # memory is not reused under a side stream's queued work, whatever the runtime).
         self._retired: list[Tensor] = []
+        self.generation = 0  # counts the times the buffer sets were replaced (views of them go stale)
         self._free: list[object | None] = [None] * num_buffers  # copy-out done with each buffer set
         # The last copy back into each store (by id): a pass waits for its own store's writes only,
         # so buckets sharing this pipeline overlap one another.
@@ -124,6 +125,7 @@ class StreamPipeline:
                     self.runtime.keep_alive(buffer, stream)
                 self.buffers[k] = buffer
                 grown = True
+        self.generation += grown
         return grown
 
     def _views(self, slot: int, chunk: Chunk, store: HostStateStore, regions: dict[str, int]) -> dict[str, Tensor]:

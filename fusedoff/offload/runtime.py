@@ -3,7 +3,7 @@
 The engine (pipeline, store, placement) talks to a device only through a `Runtime`: side streams
 and events (record, wait, synchronize), the current ("main") stream, asynchronous copies, kernels
 launched on a stream, device buffers, page-locked host memory, keeping a tensor alive for a
-stream, memory figures, and graph capture. `Runtime` is that interface; three implementations:
+stream, memory figures, and graph capture. `Runtime` is that interface; four implementations:
 
 - `HostRuntime`: the host loopback for CPU parameters. Everything runs at once, in program
   order; streams and events are None.
@@ -11,6 +11,8 @@ stream, memory figures, and graph capture. `Runtime` is that interface; three im
   Nothing else in the engine touches torch.cuda.
 - `fusedoff.offload.simulator.SimulatedRuntime`: CPU tensors behind queued streams with a
   seeded random interleaving and a happens-before race checker, so CI runs the device side.
+- `fusedoff.offload.timed.TimedRuntime`: CPU tensors run at once, every operation recorded and
+  then timed by a deterministic scheduler (a prediction of a GPU's step).
 
 Data-flow terms used by the simulator: the *host* is the Python thread (it reads and writes host
 memory directly); *main* is the stream the user's kernels run on (the current stream: backward

@@ -85,6 +85,9 @@ class Apollo(FusedOptimizer):
                         weight_decay=weight_decay, weight_decay_type=weight_decay_type)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+
+    def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
+        super()._register_hooks()
         self.register_state_dict_post_hook(Apollo._steps_as_ints, prepend=True)
 
     def _state_names(self, group: dict) -> tuple[str, ...]:

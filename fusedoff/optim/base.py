@@ -150,11 +150,15 @@ class FusedOptimizer(Optimizer):
         """Changes the bytes of state kept on the parameters' device (None: as at construction,
         for offload='auto' decided again at the next step). Every state is placed afresh at the
         next step, keeping its value; until then states stay where they are."""
+        config = {**self._config, "device_budget": device_budget}
+        OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"], device_budget)  # refuses first
         self._engine.wait_host()
         self._engine.join()
         forward_order = self._engine.forward_order
-        self._config = {**self._config, "device_budget": device_budget}
-        self._start_engine(self._config)
+        peak = self._engine.memory_stats()["device_peak_bytes"]
+        self._config = config
+        self._start_engine(config)
+        self._engine._device_peak = peak
         self._engine.overlap(forward_order)
         self._wrap_state()
 

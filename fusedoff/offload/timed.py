@@ -1,0 +1,416 @@
+"""TimedRuntime: the engine's device side on CPU tensors, recorded and then timed by a deterministic scheduler.
+
+A `Runtime` (runtime.py) that runs every copy and kernel at once, on CPU tensors, with the real kernels
+(so results are the host loopback's, bit for bit), and records each operation the engine asks for:
+its timeline (the host, the main stream, a side stream), its kind, its bytes, and what it waits for.
+`schedule(rates)` then places every recorded operation in time, and `predict` reads from that schedule
+what a GPU run must measure: the step time, the link-bound time, the time the step adds to the next
+forward, and the critical path.
+
+What is recorded (the dependencies are those of a GPU):
+  * every runtime call is a *host* operation on the host timeline, one after another, each taking
+    `Rates.host_call` (the engine's Python per call; `benchmarks/predict_step.py` measures it);
+  * the device operation a call queues (a copy, a kernel, an event record, a wait, main-stream work)
+    starts after that host operation, after the previous operation on its stream, and after the events
+    it waits for; `synchronize` is a host operation that ends no earlier than its event;
+  * a copy is h2d or d2h by which side is a device buffer (`empty`); its bytes are its destination's;
+  * a kernel's bytes are those of the ops it runs (see [note: timed kernel bytes]);
+  * `main_work(seconds, what)` is work of a given duration on the current (main) stream: the caller's
+    forward or backward layers. It waits for whatever the main stream waited for before it, so a layer
+    queued after `wait_event(current_stream(), event)` starts when `event` completes.
+
+[note: timed scale] `scale` multiplies the bytes of every copy and kernel: a model with the same number
+of chunks as a large one, each chunk `scale` times smaller (chunk_size 256 standing for 4M elements:
+scale 16384), records the large model's schedule in milliseconds of CPU time. Per-call host costs and
+main-stream work do not scale: they are per operation, and the chunk count is kept.
+
+[note: timed link sharing] The link has a rate per direction (`Rates.h2d`, `Rates.d2h`) and a cap on
+both directions at once (`Rates.both`). While copies run in both directions, each direction gets the
+smaller of its rate and half the cap, and what one direction leaves of its half goes to the other
+(max-min fair sharing of the cap); several copies in one direction share its rate equally. Kernels run
+at `Rates.kernel_rate` bytes per second and do not slow each other, the copies, or main-stream work
+(HBM and SMs are not shared in this model).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fusedoff.offload.runtime import Runtime
+
+HOST = "host"
+H2D, D2H, KERNEL, WORK, MARK = "h2d", "d2h", "kernel", "work", "mark"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The calibration of a timed schedule: link, device memory and host per call.
+
+    Defaults: an H200 on PCIe Gen5 x16 (64 GB/s raw per direction; about 55 GB/s reached by large
+    pinned copies each way), an assumed cap of 100 GB/s for both directions at once, HBM3e at its
+    published 4.8 TB/s with an assumed 80% reached by a streaming kernel, and the engine's Python per
+    runtime call as `benchmarks/predict_step.py` measured it (benchmarks/results/RESULTS.md).
+    """
+
+    h2d: float = 55e9  # bytes/s host -> device
+    d2h: float = 55e9  # bytes/s device -> host
+    both: float = 100e9  # bytes/s both directions together, when both are busy
+    device_memory: float = 4.8e12  # bytes/s, published peak
+    device_memory_fraction: float = 0.8  # of the peak a streaming kernel reaches (assumed)
+    host_call: float = 6.4e-6  # seconds of host time per runtime call: predict_step.py, RESULTS.md
+
+    @property
+    def kernel_rate(self) -> float:
+        return self.device_memory * self.device_memory_fraction
+
+
+@dataclass
+class TimedOp:
+    index: int
+    kind: str  # HOST, H2D, D2H, KERNEL, WORK, MARK
+    timeline: str
+    what: str
+    deps: tuple[int, ...]
+    amount: float = 0.0  # bytes (h2d, d2h, kernel: before `scale`) or seconds (work)
+
+
+@dataclass
+class _Stream:
+    name: str
+    last: int | None = None  # the index of the stream's last operation
+
+
+@dataclass(frozen=True)
+class _TimedEvent:
+    op: int
+
+
+class _KernelBytes(TorchDispatchMode):
+    """[note: timed kernel bytes] The bytes a kernel moves, from the ops it runs: each tensor argument
+    read once, each argument its op's schema marks mutated written once, each new tensor it returns written
+    once; views move nothing. The engine's `launch` also names the whole parameters and gradients of a
+    bucket among its reads and writes (the compute waits for them), so those lists overstate a chunk's
+    bytes; the ops' arguments are the chunk's own pieces. An argument that is only written (the bf16
+    parameter rounded from its fp32 master) counts as read too: an upper bound by 2 bytes a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        for k, argument in enumerate(func._schema.arguments):  # positional arguments come first
+            value = args[k] if not argument.kwarg_only and k < len(args) else kwargs.get(argument.name)
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            self.bytes += _nbytes(value) * (2 if written else 1)
+        outs = out if isinstance(out, tuple) else (out,)
+        for returned, value in zip(func._schema.returns, outs):
+            if returned.alias_info is None:  # a new tensor (an in-place op returns its input)
+                self.bytes += _nbytes(value)
+        return out
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class TimedRuntime(Runtime):
+    """Runs the engine's copies and kernels at once on CPU tensors and records them for `schedule`."""
+
+    asynchronous = True  # host memory is "pinned" (pin answers True), as on a GPU
+
+    def __init__(self, device: torch.device, *, scale: float = 1.0, total_memory: int = 2**40) -> None:
+        super().__init__(device)
+        self.scale = scale
+        self.ops: list[TimedOp] = []
+        self.host = _Stream(HOST)
+        self.main = _Stream("main stream")
+        self.streams = [self.main]
+        self.total_memory = total_memory
+        self.device_seconds = 0.0  # wall time spent running the copies and kernels themselves
+        self._device_storages: set[int] = set()
+
+    # ---- recording ------------------------------------------------------------------------------------
+    def _add(self, kind: str, stream: _Stream, what: str, amount: float = 0.0, waits: Iterable[int] = ()) -> int:
+        deps = [] if stream.last is None else [stream.last]
+        if stream is not self.host:  # queued by the host
+            deps.append(self._add(HOST, self.host, f"issue {what}"))
+        deps.extend(waits)
+        index = len(self.ops)
+        self.ops.append(TimedOp(index, kind, stream.name, what, tuple(dict.fromkeys(deps)), amount))
+        stream.last = index
+        return index
+
+    @property
+    def host_calls(self) -> int:
+        return sum(op.kind == HOST for op in self.ops)
+
+    def mark(self) -> int:
+        """The index the next recorded operation gets: the boundary of a phase (a step, a forward)."""
+        return len(self.ops)
+
+    def main_work(self, seconds: float, what: str = "main-stream work") -> None:
+        """Work of `seconds` on the current stream (a forward or backward layer)."""
+        self._add(WORK, self.main, what, seconds)
+
+    def drain(self) -> None:
+        """The host waits for every stream (a device synchronisation)."""
+        for stream in self.streams:
+            self.synchronize(self.record(stream))
+
+    # ---- streams and events ---------------------------------------------------------------------------
+    def new_stream(self) -> _Stream:
+        stream = _Stream(f"side stream {len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self) -> _Stream:
+        return self.main
+
+    def record(self, stream: _Stream) -> _TimedEvent:
+        return _TimedEvent(self._add(MARK, stream, f"record an event on {stream.name}"))
+
+    def wait_event(self, stream: _Stream, event: _TimedEvent | None) -> None:
+        if event is not None:
+            self._add(MARK, stream, f"wait on {stream.name}", waits=(event.op,))
+
+    def wait_stream(self, waiter: _Stream, waited: _Stream) -> None:
+        self.wait_event(waiter, self.record(waited))
+
+    def synchronize(self, event: _TimedEvent | None) -> None:
+        if event is not None:
+            self._add(HOST, self.host, "synchronize", waits=(event.op,))
+
+    # ---- work -----------------------------------------------------------------------------------------
+    def copy(self, stream: _Stream, dst: Tensor, src: Tensor) -> None:
+        kind = H2D if self._on_device(dst) else D2H if self._on_device(src) else None
+        if kind is None:
+            raise ValueError("a timed copy moves between a device buffer (empty) and host memory")
+        began = time.perf_counter()
+        dst.copy_(src)
+        self.device_seconds += time.perf_counter() - began
+        nbytes = dst.numel() * dst.element_size()
+        self._add(kind, stream, f"{kind} copy", nbytes)
+
+    def launch(self, stream: _Stream, fn: Callable[[], None], *, reads: Iterable[Tensor] = (),
+               writes: Iterable[Tensor] = ()) -> None:
+        began = time.perf_counter()
+        with _KernelBytes() as counted:
+            fn()
+        self.device_seconds += time.perf_counter() - began
+        self._add(KERNEL, stream, "kernel", counted.bytes)
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def empty(self, numel: int) -> Tensor:
+        buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self._device_storages.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    def _on_device(self, tensor: Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._device_storages
+
+    def keep_alive(self, tensor: Tensor, stream) -> None:
+        pass  # the pipeline holds the buffers
+
+    def pin(self, tensor: Tensor) -> bool:
+        return True
+
+    def unpin(self, tensors: list[Tensor]) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.total_memory, 0
+
+    def capturing(self) -> bool:
+        return False
+
+    def schedule(self, rates: Rates, *, instant: range = range(0)) -> Schedule:
+        return schedule(self.ops, rates, self.scale, instant=instant)
+
+
+# ---- the scheduler ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Schedule:
+    ops: list[TimedOp]
+    start: list[float]
+    end: list[float]
+    scale: float = 1.0
+
+    def critical_path(self, last: int) -> list[int]:
+        """The chain of operations ending at `last`, each released by the one before it (the dependency
+        that ended last)."""
+        path = [last]
+        while self.ops[path[-1]].deps:
+            path.append(max(self.ops[path[-1]].deps, key=lambda d: (self.end[d], d)))
+        return path[::-1]
+
+
+def link_rates(h2d_active: int, d2h_active: int, rates: Rates) -> tuple[float, float]:
+    """Bytes/s of each active h2d copy and each active d2h copy (see [note: timed link sharing])."""
+    h = rates.h2d if h2d_active else 0.0
+    d = rates.d2h if d2h_active else 0.0
+    if h2d_active and d2h_active and h + d > rates.both:
+        half = rates.both / 2
+        if h < half:
+            d = min(d, rates.both - h)
+        elif d < half:
+            h = min(h, rates.both - d)
+        else:
+            h = d = half
+    return h / max(h2d_active, 1), d / max(d2h_active, 1)
+
+
+def schedule(ops: Sequence[TimedOp], rates: Rates, scale: float = 1.0, *, instant: range = range(0)) -> Schedule:
+    """Start and end of every operation: each starts when its last dependency ends and runs for its
+    duration; copies share the link (a fluid simulation: rates change when a copy starts or ends).
+    Operations whose index is in `instant` take no time (the counterfactual of an instant step)."""
+    n = len(ops)
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    unmet = [0] * n
+    for op in ops:
+        for d in op.deps:
+            dependents[d].append(op.index)
+        unmet[op.index] = len(op.deps)
+    start, end = [math.nan] * n, [math.nan] * n
+    left = [0.0] * n  # bytes left (copies) or seconds left (everything else)
+    t = 0.0
+    ready = [i for i in range(n) if unmet[i] == 0]
+    active: list[int] = []
+    while ready or active:
+        for i in ready:
+            op = ops[i]
+            start[i] = t
+            if i in instant:
+                left[i] = 0.0
+            elif op.kind in (H2D, D2H):
+                left[i] = op.amount * scale
+            elif op.kind == KERNEL:
+                left[i] = op.amount * scale / rates.kernel_rate
+            elif op.kind == HOST:
+                left[i] = rates.host_call
+            elif op.kind == WORK:
+                left[i] = op.amount
+            active.append(i)
+        ready = []
+        per_h2d, per_d2h = link_rates(sum(ops[i].kind == H2D for i in active),
+                                      sum(ops[i].kind == D2H for i in active), rates)
+        speed = [per_h2d if ops[i].kind == H2D else per_d2h if ops[i].kind == D2H else 1.0 for i in active]
+        finish = [left[i] / s if left[i] > 0 else 0.0 for i, s in zip(active, speed)]
+        dt = min(finish)
+        t += dt
+        still = []
+        for i, s, f in zip(active, speed, finish):
+            if f <= dt * (1 + 1e-12):
+                end[i] = t
+                for j in dependents[i]:
+                    unmet[j] -= 1
+                    if unmet[j] == 0:
+                        ready.append(j)
+            else:
+                left[i] -= s * dt
+                still.append(i)
+        active = still
+    if any(math.isnan(e) for e in end):
+        raise RuntimeError("an operation waits on one recorded after it")
+    return Schedule(list(ops), start, end, scale)
+
+
+# ---- what a GPU run must measure ----------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    step_s: float  # the step's first operation's start to its last one's end
+    link_bound_s: float  # the step's bytes at the link's rates (see `link_bound`)
+    exposed_s: float  # how much later the forward ends than after an instant step (0 without one)
+    forward_s: float  # the forward's main-stream work
+    h2d_bytes: float
+    d2h_bytes: float
+    kernel_bytes: float
+    host_calls: int
+    critical_path: list[str] = field(default_factory=list)  # of the step, or of the forward if given
+    path_seconds: dict[str, float] = field(default_factory=dict)  # time on the critical path, by kind
+
+
+def link_bound(h2d_bytes: float, d2h_bytes: float, rates: Rates) -> float:
+    """The least time the link moves these bytes in: each direction at its rate, both under the cap."""
+    return max(h2d_bytes / rates.h2d, d2h_bytes / rates.d2h, (h2d_bytes + d2h_bytes) / rates.both)
+
+
+def predict(rt: TimedRuntime, rates: Rates, step: range, forward: range = range(0)) -> Prediction:
+    """The prediction for the operations `step` records (indices from `TimedRuntime.mark`), and for a
+    forward recorded after it as main-stream work (`forward`): see `Prediction`."""
+    timed = rt.schedule(rates)
+    t0 = min(timed.start[i] for i in step)
+    step_end = max(timed.end[i] for i in step)
+    moved = {kind: sum(rt.ops[i].amount for i in step if rt.ops[i].kind == kind) * rt.scale
+             for kind in (H2D, D2H, KERNEL)}
+    forward_s = sum(rt.ops[i].amount for i in forward if rt.ops[i].kind == WORK)
+    exposed = 0.0
+    last = max(step, key=lambda i: timed.end[i])
+    if forward:
+        last = max(forward, key=lambda i: timed.end[i])
+        alone = rt.schedule(rates, instant=step)  # the same forward after a step that takes no time
+        exposed = timed.end[last] - max(alone.end[i] for i in forward)
+    path = timed.critical_path(last)
+    path = [i for i in path if timed.end[i] > t0]  # from the step on
+    return Prediction(
+        step_s=step_end - t0, link_bound_s=link_bound(moved[H2D], moved[D2H], rates), exposed_s=exposed,
+        forward_s=forward_s, h2d_bytes=moved[H2D], d2h_bytes=moved[D2H], kernel_bytes=moved[KERNEL],
+        host_calls=sum(rt.ops[i].kind == HOST for i in step), critical_path=describe_path(timed, path, t0),
+        path_seconds=_path_seconds(timed, path, t0))
+
+
+def _path_seconds(timed: Schedule, path: list[int], t0: float) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    for i in path:
+        kind = timed.ops[i].kind
+        seconds[kind] = seconds.get(kind, 0.0) + timed.end[i] - max(timed.start[i], t0)
+    return seconds
+
+
+def describe_path(timed: Schedule, path: list[int], t0: float = 0.0) -> list[str]:
+    """Readable lines (start, duration, timeline, what), with runs of operations of one kind on one
+    timeline merged into one line."""
+    lines, run = [], []
+
+    def flush() -> None:
+        if not run:
+            return
+        first, last = timed.ops[run[0]], timed.ops[run[-1]]
+        begin = timed.start[run[0]] - t0
+        what = first.what if len(run) == 1 else f"{len(run)} x {first.kind} ({first.what} ... {last.what})"
+        if first.kind in (H2D, D2H, KERNEL):
+            what += f", {sum(timed.ops[i].amount for i in run) * timed.scale / 2**20:.1f} MiB"
+        lines.append(f"{begin * 1e3:10.3f} ms {(timed.end[run[-1]] - timed.start[run[0]]) * 1e3:9.3f} ms  "
+                     f"{first.timeline:<14} {what}")
+        run.clear()
+
+    for i in path:
+        if timed.end[i] - timed.start[i] == 0 and timed.ops[i].kind == MARK:
+            continue  # event records and waits take no time
+        if run and (timed.ops[run[-1]].kind, timed.ops[run[-1]].timeline) != (timed.ops[i].kind, timed.ops[i].timeline):
+            flush()
+        run.append(i)
+    flush()
+    return lines
+
+
+__all__ = ["Prediction", "Rates", "Schedule", "TimedOp", "TimedRuntime", "link_bound", "link_rates", "predict",
+           "schedule"]
