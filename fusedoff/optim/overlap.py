@@ -5,7 +5,8 @@ streamed chunk, so the next forward starts after the last one. With `overlap_wit
 without that wait: each chunk's computation records an event, the chunks run in the order the
 forward reads their parameters (`model.parameters()`'s order unless given), and a forward
 pre-hook on every module that owns parameters of the optimizer makes the main stream wait for
-the chunks holding that module's own parameters only, just before its forward. Nothing waits on
+the chunks holding that module's own parameters only (with those of its ``nn.ParameterList`` and
+``nn.ParameterDict`` children, which are never called), just before its forward. Nothing waits on
 the host. What the main stream could otherwise touch too early is ordered too: the next step and
 ``zero_grad(set_to_none=False)`` (which zeroes gradients in place) first wait for every chunk, the
 gradients and per-step statistics the chunks read are kept alive for them (the allocator does not
@@ -24,6 +25,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+
+# Modules that hold parameters for the module around them and are never called themselves.
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
 class OverlapHandle:
@@ -56,7 +61,13 @@ def overlap_with(optimizer, model: nn.Module, order: Iterable[torch.Tensor] | No
         raise ValueError("overlap_with: none of the model's parameters is in this optimizer")
     handles = []
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) in mine]
+        if isinstance(module, _CONTAINERS):
+            continue  # never called: the module that holds it reads its parameters
+        own = [p for p in module.parameters(recurse=False)]
+        for child in module.children():
+            if isinstance(child, _CONTAINERS):
+                own += list(child.parameters())
+        own = [p for p in own if id(p) in mine]
         if not own:
             continue
 

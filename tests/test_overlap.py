@@ -1,0 +1,213 @@
+"""The streamed step overlapped with the next forward (``opt.overlap_with(model)``), on the simulated device.
+
+A small network trains with its forward and backward run for real on the simulated device's main
+stream: each module's forward is recorded as reading its parameters there (after fusedoff's own
+pre-hook), backward as writing the gradients, ``zero_grad`` (in place, or to None) likewise. The
+race checker then holds every access of the next forward, the gradients' reuse and the state
+reads against the step's streams: a missing wait is a reported race, whatever the interleaving.
+The oracle for the values is the same run without overlap, bit for bit, in every state precision
+and placement; with two param groups (decayed weights, undecayed biases) the chunks of both
+buckets interleave in forward order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedoff
+from fusedoff.offload import runtimes
+from fusedoff.offload.simulator import RaceError, SimulatedRuntime
+from fusedoff.offload.timed import Rates, TimedRuntime, predict
+
+WIDTH, LAYERS, STEPS = 24, 4, 4
+PLACEMENTS = {"streamed": dict(offload="stream", chunk_size=256),
+              "mixed": dict(offload="stream", chunk_size=256, device_budget=WIDTH * WIDTH * 16),
+              "resident": dict(offload="none")}
+PRECISIONS = ("fp32", "bf16", "8bit")
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.to(dtype)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def record_forward_reads(model, sims):
+    """A pre-hook after fusedoff's on each layer: the layer's forward reads its parameters on main."""
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            module.register_forward_pre_hook(
+                lambda m, args, own=own: sims[-1].main_access([p.detach() for p in own], write=False,
+                                                              what="the forward reads a parameter") if sims else None)
+
+
+def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None):
+    sims = []
+
+    def factory(device):
+        sims.append(SimulatedRuntime(device, seed=seed + 1000 * len(sims)))
+        return sims[-1]
+
+    with runtimes.simulate(factory):
+        model = Net(dtype)
+        weights = [layer.weight for layer in model.layers]
+        biases = [layer.bias for layer in model.layers]
+        opt = fusedoff.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2,
+                             weight_decay=0.1, state_precision=precision, **PLACEMENTS[placement])
+        handle = opt.overlap_with(model) if overlap else None
+        record_forward_reads(model, sims)
+        gen = torch.Generator().manual_seed(1)
+        seen = []
+        for step in range(STEPS):
+            if step == remove_at:
+                handle.remove()
+            x = torch.randn(8, WIDTH, generator=gen).to(dtype)
+            loss = model(x).float().square().mean()
+            loss.backward()
+            if sims:
+                sims[-1].main_access([p.grad for p in model.parameters()], write=True, what="backward writes gradients")
+            opt.step()
+            seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+            opt.zero_grad(set_to_none=set_to_none)
+            if sims and not set_to_none:
+                sims[-1].main_access([p.grad for p in model.parameters()], write=True, what="zero_grad in place")
+        state = model.state_dict()  # right after the last step: waits for its chunks
+        sims[-1].main_access([v for v in state.values()], write=False, what="the model's state dict is read")
+    return [p.detach().clone() for p in model.parameters()], seen
+
+
+def assert_bit_equal(got, want):
+    (got_params, got_seen), (want_params, want_seen) = got, want
+    for a, b in zip(got_params, want_params):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    for step_got, step_want in zip(got_seen, want_seen):
+        for state_got, state_want in zip(step_got, step_want):
+            assert state_got.keys() == state_want.keys()
+            for name in state_got:
+                assert torch.equal(state_got[name], state_want[name]), name
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_overlapped_step_equals_the_plain_one_without_a_race(placement, precision, dtype, seed):
+    plain = train(dtype, precision, placement, overlap=False, seed=seed)
+    assert_bit_equal(train(dtype, precision, placement, overlap=True, seed=seed), plain)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_gradients(seed):
+    plain = train(torch.float32, "fp32", "streamed", overlap=False, seed=seed, set_to_none=False)
+    assert_bit_equal(train(torch.float32, "fp32", "streamed", overlap=True, seed=seed, set_to_none=False), plain)
+
+
+def test_a_removed_handle_joins_the_step_again():
+    plain = train(torch.float32, "fp32", "streamed", overlap=False)
+    assert_bit_equal(train(torch.float32, "fp32", "streamed", overlap=True, remove_at=2), plain)
+
+
+def test_a_forward_without_the_hooks_races_with_the_overlapped_step():
+    """The race checker sees the overlap: the forward's reads, with fusedoff's hooks taken off the
+    modules (and the step still overlapped), race with the chunks that write the parameters."""
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=0)):
+        model = Net(torch.float32)
+        opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=256)
+        handle = opt.overlap_with(model)
+        for hook in handle._handles[:-1]:  # the forward pre-hooks (the state-dict hook stays)
+            hook.remove()
+        model(torch.randn(2, WIDTH)).sum().backward()
+        opt.step()
+        sim = opt._engine.runtimes[torch.device("cpu")]
+        with pytest.raises(RaceError, match="the forward reads a parameter"):
+            for layer in model.layers:
+                sim.main_access([layer.weight.detach()], write=False, what="the forward reads a parameter")
+
+
+def updates_in_order(overlap: bool) -> list[tuple[str, int]]:
+    """The (kind, layer) of each tensor in the order the step updates them (bias chunks hold several)."""
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=0)):
+        model = Net(torch.float32)
+        weights = [layer.weight for layer in model.layers]
+        biases = [layer.bias for layer in model.layers]
+        opt = fusedoff.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2,
+                             offload="stream", chunk_size=WIDTH * WIDTH)
+        if overlap:
+            opt.overlap_with(model)
+        order = []
+        call = opt._fused_update
+
+        def spy(group, *args, **kwargs):
+            update = call(group, *args, **kwargs)
+            inner, kind = update.call, "weight" if group is opt.param_groups[0] else "bias"
+            update.call = lambda phase, a: (order.extend((kind, t) for t in a.tensors), inner(phase, a))
+            return update
+
+        opt._fused_update = spy
+        model(torch.randn(2, WIDTH)).sum().backward()
+        opt.step()
+        opt._engine.join()
+        opt._engine.runtimes[torch.device("cpu")].drain()
+    return order
+
+
+def layer_done_before_next_weight(order) -> bool:
+    """Every layer's tensors are updated before the next layer's weight (what its forward waits for)."""
+    where = {entry: k for k, entry in enumerate(order)}
+    return all(max(where["weight", k], where["bias", k]) < where["weight", k + 1] for k in range(LAYERS - 1))
+
+
+def test_the_chunks_run_in_forward_order_across_buckets():
+    """Decayed weights and undecayed biases are two buckets: overlapped, the step updates layer k's
+    tensors (both buckets') before layer k + 1's weight, so the first layers' forwards wait for little;
+    the plain step runs one bucket after the other."""
+    overlapped, plain = updates_in_order(True), updates_in_order(False)
+    assert sorted(overlapped) == sorted(plain) == sorted((kind, k) for kind in ("weight", "bias") for k in range(LAYERS))
+    assert layer_done_before_next_weight(overlapped)
+    assert not layer_done_before_next_weight(plain)
+
+
+def test_overlap_hides_the_step_behind_the_next_forward_on_the_timed_device():
+    """On the timed device (fusedoff/offload/timed.py), with the next forward one main-stream
+    operation per layer: plain, the forward waits for the whole step; overlapped, it is delayed by
+    no less than the link time it cannot cover (link-bound time - forward time), and by little more
+    than one layer's share of the step."""
+    rates = Rates(host_call=0.0)
+    layer_s = 2e-3
+
+    def exposed(overlap: bool):
+        rts = []
+        with runtimes.simulate(lambda device: rts.append(TimedRuntime(device, scale=2**16)) or rts[-1]):
+            model = Net(torch.float32)
+            opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=WIDTH * WIDTH)
+            if overlap:
+                opt.overlap_with(model)
+            model(torch.randn(2, WIDTH)).sum().backward()
+            opt.step()
+            rt = rts[-1]
+            opt._engine.join()
+            rt.drain()
+            first = rt.mark()
+            opt.step()
+            between = rt.mark()
+            for layer in model.layers:  # the next forward: fusedoff's hook, then the layer's work
+                for hook in layer._forward_pre_hooks.values():
+                    hook(layer, ())
+                rt.main_work(layer_s, "a layer's forward")
+            return predict(rt, rates, range(first, between), range(between, rt.mark()))
+
+    plain, overlapped = exposed(False), exposed(True)
+    assert plain.exposed_s >= plain.link_bound_s - 1e-9  # the forward starts after the step's last copy
+    uncovered = plain.link_bound_s - LAYERS * layer_s
+    assert uncovered > 0
+    assert uncovered - 1e-9 <= overlapped.exposed_s <= uncovered + 2 * plain.step_s / LAYERS
+    assert overlapped.exposed_s < plain.exposed_s
