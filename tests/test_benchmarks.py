@@ -404,3 +404,23 @@ def test_suite_stages(tmp_path):
     assert [targets.stage_status(s) for s in stages] == ["ok", "TIMED OUT at 120 s", "skipped"]
     report = targets.suite_report(tmp_path)
     assert "no benchmark CSV" in report and "TIMED OUT" in report
+
+
+@pytest.mark.parametrize("script, args", [
+    ("measure_overlap.py", ["--dry-run"]),
+    ("bench_host_cost.py", ["--shapes", "20x64", "--repeats", "2", "--warmup", "1"]),
+])
+def test_the_gpu_suites_newer_stages_run_their_plumbing_on_the_cpu(tmp_path, script, args):
+    """The GPU suite's host-cost and overlap stages (run dry in its rehearsal too) exit 0 and print
+    their table, with every contender and mode measured."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    extra = ["--out-dir", str(tmp_path)] if script == "bench_host_cost.py" else []
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args, *extra], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| shape")
+            and not line.startswith("| mode")]
+    names = {line.split("|")[1 if script == "measure_overlap.py" else 2].strip() for line in rows}
+    assert names >= ({"plain", "overlapped"} if script == "measure_overlap.py" else {"torch", "resident", "stream"})

@@ -24,6 +24,9 @@
 #   host-cost      40 s                       bench_host_cost.py --device cuda: per-tensor step cost,   bench.log
 #                                             torch fused beside fusedoff resident and streamed (its
 #                                             table only: the CSV stays outside OUTDIR)
+#   overlap        90 s                       measure_overlap.py: a streamed 1B step and the next forward,  bench.log
+#                                             plain and overlapped, measured beside the timed simulator's
+#                                             prediction at the link rates measured here
 #   bench          what is left but 95 s      bench_step.py --device cuda: the bound, then the targets'  bench.log,
 #                                             configurations at 1G, then the sweep 16M..1G; a CSV row per  bench_step_cuda.csv,
 #                                             contender as soon as it is measured; everything, building  .png, RESULTS.md
@@ -171,8 +174,11 @@ if [ "$build" -eq 0 ]; then
   if [ "$gpu" = 1 ]; then host_cost=(--device cuda --repeats 10); else host_cost=(--device cpu --shapes 20x64 --repeats 2 --warmup 1); fi
   run_stage host-cost "$(limit 40 200)" bench.log "$py" benchmarks/bench_host_cost.py "${host_cost[@]}" \
     --out-dir "$(mktemp -d)"
+  if [ "$gpu" = 1 ]; then overlap_args=(); else overlap_args=(--dry-run); fi
+  run_stage overlap "$(limit 90 200)" bench.log "$py" benchmarks/measure_overlap.py ${overlap_args[@]+"${overlap_args[@]}"}
 else
   skip_stage host-cost "the build failed"
+  skip_stage overlap "the build failed"
 fi
 deadline=$(( $(left) - 35 - ${TRITON_TESTS_S:-60} ))  # the Triton tests run after the bench
 (( deadline < 10 )) && deadline=10
