@@ -92,7 +92,7 @@ class TimedLayer(torch.nn.Module):
 
 
 def record(params: list[torch.nn.Parameter], state_precision: str, chunk_size: int, scale: float,
-           layer_seconds: list[float], numels: list[int], overlap: bool = False) -> Recorded:
+           layer_seconds: list[float], numels: list[int], overlap: bool = False, num_buffers: int = 2) -> Recorded:
     """One streamed AdamW step of `params` recorded on a TimedRuntime (after a first step that creates
     the states), then the next forward: one main-stream operation per layer (the parameters split
     evenly over the layers, in order). `overlap`: the step overlaps that forward (``opt.overlap_with``)."""
@@ -102,7 +102,7 @@ def record(params: list[torch.nn.Parameter], state_precision: str, chunk_size: i
         TimedLayer(params[k * per_layer:(k + 1) * per_layer], seconds, lambda: made[-1], f"forward layer {k}")
         for k, seconds in enumerate(layer_seconds)))
     with runtimes.simulate(lambda device: made.append(TimedRuntime(device, scale=scale)) or made[-1]):
-        opt = fusedoff.AdamW(params, **HYPER, offload="stream", chunk_size=chunk_size, num_buffers=2,
+        opt = fusedoff.AdamW(params, **HYPER, offload="stream", chunk_size=chunk_size, num_buffers=num_buffers,
                              state_precision=state_precision, backend="cpu")
         if overlap:
             opt.overlap_with(model)
@@ -190,6 +190,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--forward-ms", type=float, default=100.0, help="the next forward, over the layers (100)")
     parser.add_argument("--host-call-us", type=float, default=None,
                         help="host time per runtime call (default: the median measured by this run)")
+    parser.add_argument("--num-buffers", type=int, default=2, help="buffer sets of the pipeline (2)")
     parser.add_argument("--path-lines", type=int, default=16, help="critical-path lines shown (last ones)")
     parser.add_argument("--out-dir", type=Path, default=timing.RESULTS_DIR)
     parser.add_argument("--label", default="")
@@ -207,8 +208,10 @@ def main(argv: list[str] | None = None) -> None:
             params = scaled_params(numels, scale)
             layer_seconds = [args.forward_ms * 1e-3 / layers] * layers
             cases.append((model, state_precision,
-                          record(params, state_precision, SCALED_CHUNK, scale, layer_seconds, numels),
-                          record(params, state_precision, SCALED_CHUNK, scale, layer_seconds, numels, overlap=True)))
+                          record(params, state_precision, SCALED_CHUNK, scale, layer_seconds, numels,
+                                 num_buffers=args.num_buffers),
+                          record(params, state_precision, SCALED_CHUNK, scale, layer_seconds, numels, overlap=True,
+                                 num_buffers=args.num_buffers)))
     measured = [c[2].host_call_s * 1e6 for c in cases]
     host_call = statistics.median(measured) if args.host_call_us is None else args.host_call_us
     rates = Rates(host_call=host_call * 1e-6)
