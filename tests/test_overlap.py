@@ -211,3 +211,31 @@ def test_overlap_hides_the_step_behind_the_next_forward_on_the_timed_device():
     assert uncovered > 0
     assert uncovered - 1e-9 <= overlapped.exposed_s <= uncovered + 2 * plain.step_s / LAYERS
     assert overlapped.exposed_s < plain.exposed_s
+
+
+def train_on_cuda(precision: str, overlap: bool):
+    """The same training on a GPU's real streams: the next forward runs as soon as its layer's
+    chunks are done (a long forward kernel of another layer would expose a missing wait)."""
+    model = Net(torch.bfloat16).cuda()
+    weights = [layer.weight for layer in model.layers]
+    biases = [layer.bias for layer in model.layers]
+    opt = fusedoff.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1,
+                         state_precision=precision, offload="stream", chunk_size=256, backend="cuda")
+    if overlap:
+        opt.overlap_with(model)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(STEPS):
+        x = torch.randn(8, WIDTH, generator=gen).to("cuda", torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        torch.cuda._sleep(1_000_000)  # the main stream busy while the chunks are still queued
+        seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().cpu() for p in model.parameters()], seen
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_overlapped_step_equals_the_plain_one_on_a_gpu(precision):
+    assert_bit_equal(train_on_cuda(precision, True), train_on_cuda(precision, False))
