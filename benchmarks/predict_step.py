@@ -97,7 +97,7 @@ def record(params: list[torch.nn.Parameter], state_precision: str, chunk_size: i
     the states), then the next forward: one main-stream operation per layer (the parameters split
     evenly over the layers, in order). `overlap`: the step overlaps that forward (``opt.overlap_with``)."""
     made: list[TimedRuntime] = []
-    per_layer = len(params) // len(layer_seconds)
+    per_layer = len(params) // max(1, len(layer_seconds))
     model = torch.nn.Sequential(*(
         TimedLayer(params[k * per_layer:(k + 1) * per_layer], seconds, lambda: made[-1], f"forward layer {k}")
         for k, seconds in enumerate(layer_seconds)))
