@@ -251,3 +251,23 @@ def train_on_cuda(precision: str, overlap: bool):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_overlapped_step_equals_the_plain_one_on_a_gpu(precision):
     assert_bit_equal(train_on_cuda(precision, True), train_on_cuda(precision, False))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_with_no_forward_before_it_waits_for_the_last_one(seed):
+    """Two steps in a row (no forward, hence no hook, between them): the second counts its steps and
+    reads its gradients on the main stream only after the first one's chunks."""
+
+    def run(overlap: bool):
+        with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=seed)):
+            model = Net(torch.float32)
+            opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=256)
+            if overlap:
+                opt.overlap_with(model)
+            model(torch.randn(2, WIDTH)).sum().backward()
+            opt.step()
+            opt.step()  # the same gradients again
+            return [p.detach().clone() for p in model.parameters()], [
+                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]]
+
+    assert_bit_equal(run(True), run(False))
