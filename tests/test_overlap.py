@@ -50,7 +50,10 @@ def record_forward_reads(model, sims):
                                                               what="the forward reads a parameter") if sims else None)
 
 
-def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW"):
+def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
+          read_state=False):
+    """`read_state`: read every state right after each step (a host synchronisation, which orders
+    everything the main stream does after it: off, the waits alone order the next forward)."""
     sims = []
 
     def factory(device):
@@ -79,12 +82,14 @@ def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, rem
             if sims:
                 sims[-1].main_access([p.grad for p in model.parameters()], write=True, what="backward writes gradients")
             opt.step()
-            seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+            if read_state:
+                seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
             opt.zero_grad(set_to_none=set_to_none)
             if sims and not set_to_none:
                 sims[-1].main_access([p.grad for p in model.parameters()], write=True, what="zero_grad in place")
         state = model.state_dict()  # right after the last step: waits for its chunks
         sims[-1].main_access([v for v in state.values()], write=False, what="the model's state dict is read")
+        seen.append([{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
     return [p.detach().clone() for p in model.parameters()], seen
 
 
@@ -106,6 +111,12 @@ def assert_bit_equal(got, want):
 def test_the_overlapped_step_equals_the_plain_one_without_a_race(placement, precision, dtype, seed):
     plain = train(dtype, precision, placement, overlap=False, seed=seed)
     assert_bit_equal(train(dtype, precision, placement, overlap=True, seed=seed), plain)
+
+
+@pytest.mark.parametrize("placement", ["streamed", "mixed"])
+def test_states_read_right_after_each_overlapped_step_are_that_steps(placement):
+    plain = train(torch.bfloat16, "8bit", placement, overlap=False, read_state=True)
+    assert_bit_equal(train(torch.bfloat16, "8bit", placement, overlap=True, read_state=True), plain)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

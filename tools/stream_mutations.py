@@ -36,7 +36,6 @@ RULES = (
     (re.compile(r"^(\s*)self\.before_host_write\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)(\w+\.)*pipeline\.join\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)self\.(_engine\.)?join\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
-    (re.compile(r"^(\s*)(\w+\.)*keep_alive\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)pipeline\.wait_host\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
 )
 

@@ -352,6 +352,19 @@ class Bucket:
                 total_numels=args.total_numels, offsets=args.offsets))
         return calls
 
+    def chunk_touches(self, chunk: Chunk, grads: dict[int, Tensor], steps: dict[int, Tensor],
+                      stats: Tensor | None) -> list[Tensor]:
+        """What `chunk`'s fused calls read or write besides its buffers: its pieces of the stepping
+        parameters and gradients, their step counts and statistics rows (for the race checker)."""
+        touched = []
+        for p in chunk.pieces:
+            if p.tensor in grads:
+                touched += [_slice(self.flat_param(p.tensor), p.tensor_offset, p.length),
+                            _piece_of(grads[p.tensor], p, self.plan), steps[p.tensor]]
+                if stats is not None:
+                    touched.append(stats[p.tensor])
+        return touched
+
     def chunk_calls(self, chunk: Chunk, buffers: dict[str, Tensor], grads: dict[int, Tensor],
                     steps: dict[int, Tensor], stats: Tensor | None) -> list[UpdateArgs]:
         """The fused calls for `chunk`: one per gradient dtype among the pieces whose tensor steps.

@@ -357,13 +357,8 @@ class OffloadEngine:
             whole_pass = [c for c in chunks if bucket.plan.whole_tensors_only(c)
                           and not any(bucket.sharded[p.tensor] for p in c.pieces)]
             spanning = [c for c in chunks if c not in whole_pass]
-        touches = []
-        if chunks:
-            touches = [*(bucket.flat_param(t) for t in grads_of), *grads_of.values(), *steps_of.values(),
-                       *(() if stats is None else (stats,))]
         resident_calls = bucket.resident_calls(resident, resident_grads, resident_steps, stats) if resident else []
-        return _Run(bucket, update, stepping, stats, resident_calls, chunks, whole_pass, spanning, grads_of, steps_of,
-                    touches)
+        return _Run(bucket, update, stepping, stats, resident_calls, chunks, whole_pass, spanning, grads_of, steps_of)
 
     def _run(self, run: "_Run", *, overlapped: bool, whole_pass: bool = True) -> None:
         """Runs `run`: its single-pass chunks first (unless `whole_pass` is False: the caller
@@ -406,7 +401,7 @@ class OffloadEngine:
                     update.call(phase, args)
 
         done = bucket.pipeline.run(bucket.plan, bucket.store, read=read, write=write, compute=compute,
-                                   touches=run.touches, chunks=chunks)
+                                   touches=lambda chunk: bucket.chunk_touches(chunk, grads, steps, stats), chunks=chunks)
         bucket.chunk_done.update(done)
 
     # ---- loading -------------------------------------------------------------------------------
@@ -516,7 +511,6 @@ class _Run:
     spanning: list[Chunk]
     grads_of: dict[int, Tensor]
     steps_of: dict[int, Tensor]
-    touches: list[Tensor]
 
 
 def _check_capturable(bucket: Bucket, stepping: list[int]) -> None:

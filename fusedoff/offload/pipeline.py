@@ -60,19 +60,19 @@ class StreamPipeline:
         self.copy_out = runtime.new_stream()
 
     def run(self, plan: ChunkPlan, store: HostStateStore, *, read: Iterable[str], write: Iterable[str],
-            compute: Callable[[Chunk, dict[str, Tensor]], None], touches: Iterable[Tensor] = (),
+            compute: Callable[[Chunk, dict[str, Tensor]], None],
+            touches: Callable[[Chunk], Iterable[Tensor]] = lambda chunk: (),
             chunks: Iterable[Chunk] | None = None) -> dict[int, object]:
-        """One pass over every chunk (or over `chunks`). `touches` are the device tensors the compute
-        reads or writes besides the buffers (parameters, gradients, steps, stats): produced on the
-        main stream, which the compute waits for, and final for main after `join`, or chunk by chunk
-        after the main stream waits for a chunk's event in the returned {chunk index: event}
-        (the chunk computed)."""
+        """One pass over every chunk (or over `chunks`). `touches(chunk)` are the device tensors a
+        chunk's compute reads or writes besides the buffers (its parameters, gradients, steps, stats),
+        asked only by a runtime that records accesses: produced on the main stream, which the compute
+        waits for, and final for main after `join`, or chunk by chunk after the main stream waits for
+        a chunk's event in the returned {chunk index: event} (the chunk computed)."""
         rt = self.runtime
         # Every written state is also read: a chunk buffer goes back to host memory whole, and the
         # pieces of tensors that sit out this step must go back as they came.
         read, write = tuple(dict.fromkeys(tuple(read) + tuple(write))), tuple(write)
         chunks = plan.chunks if chunks is None else list(chunks)
-        touches = list(touches)
         main = rt.current_stream()
         rt.wait_stream(self.compute, main)  # grads, params, steps and stats are produced on main
         regions, set_bytes = buffer_regions([store.specs[name] for name in read], plan.chunk_size)
@@ -88,8 +88,9 @@ class StreamPipeline:
                 rt.copy(self.copy_in, buffers[name], store.chunk(name, chunk))
             loaded = rt.record(self.copy_in)
             rt.wait_event(self.compute, loaded)
+            touched = list(touches(chunk)) if rt.records_accesses else []
             rt.launch(self.compute, lambda chunk=chunk, buffers=buffers: compute(chunk, buffers),
-                      reads=[*buffers.values(), *touches], writes=[*(buffers[n] for n in write), *touches])
+                      reads=[*buffers.values(), *touched], writes=[*(buffers[n] for n in write), *touched])
             computed = done[chunk.index] = rt.record(self.compute)
             rt.wait_event(self.copy_out, computed)
             for name in write:
