@@ -104,7 +104,7 @@ def device_of(placement: str):
         yield
 
 
-def run(optimizer, dtype, placement, write=None, index=0, assign_master=False):
+def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, read_before=True):
     """STEPS_BEFORE steps, then `write` to tensor `index` (and, with `assign_master`, its master set
     to the written value through opt.state), then one more step. Returns the model, the optimizer,
     the states just before the last step and the written value."""
@@ -119,7 +119,7 @@ def run(optimizer, dtype, placement, write=None, index=0, assign_master=False):
                     if assign_master:
                         opt.state[params[index]]["master_param"] = params[index].detach().float()
                 before = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
-                          for p in params]
+                          for p in params] if read_before else None  # reading waits for the host
                 written = params[index].detach().clone()
             for p, g in zip(params, gradients(step, dtype)):
                 p.grad = g
@@ -287,3 +287,14 @@ def test_a_parameter_given_another_memory_layout_is_refused_before_anything_chan
             assert torch.equal(p.detach(), was)
             for name, value in state.items():
                 assert torch.equal(opt.state[p][name], value), name
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Apollo"])
+@pytest.mark.parametrize("index", [0, 2])
+def test_a_write_right_after_a_step_waits_for_its_copies_back_on_the_simulated_device(optimizer, index):
+    """On the simulated device, with no state read between the step and the write (a read waits for
+    the host): taking a streamed master from its parameter waits for the step's copies back into
+    the store first. Same result as the run that read the states in between."""
+    want = run(optimizer, torch.bfloat16, "simulated", write_copy, index)
+    got = run(optimizer, torch.bfloat16, "simulated", write_copy, index, read_before=False)
+    assert_runs_equal(got[0], got[1], want[0], want[1])

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STREAM_FILES = ("tests/test_offload.py", "tests/test_optimizer_state.py", "tests/test_memory.py", "tests/test_overlap.py")
+STREAM_FILES = ("tests/test_offload.py", "tests/test_optimizer_state.py", "tests/test_memory.py")
 GROUPS = {  # name: (marker expression, paths, paths left out)
     "streams": ("cuda and not triton", STREAM_FILES, ()),
     "kernels": ("cuda and not triton", ("tests",), STREAM_FILES),
