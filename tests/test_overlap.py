@@ -50,6 +50,26 @@ def record_forward_reads(model, sims):
                                                               what="the forward reads a parameter") if sims else None)
 
 
+def record_after_phase_reads(opt, sims):
+    """An update's `after_phase` runs on the main stream between phases and reads the statistics the
+    phase accumulated (completing sharded tensors' sums): recorded as that read."""
+    make = opt._fused_update
+
+    def fused_update(*args, **kwargs):
+        update = make(*args, **kwargs)
+        if update.after_phase is not None:
+            inner = update.after_phase
+
+            def after_phase(phase, stats, params):
+                sims[-1].main_access([stats], write=False, what="after_phase reads the statistics")
+                inner(phase, stats, params)
+
+            update.after_phase = after_phase
+        return update
+
+    opt._fused_update = fused_update
+
+
 def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
           read_state=False):
     """`read_state`: read every state right after each step (a host synchronisation, which orders
@@ -71,6 +91,7 @@ def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, rem
             opt = fusedoff.AdamW(groups, lr=1e-2, weight_decay=0.1, state_precision=precision, **PLACEMENTS[placement])
         handle = opt.overlap_with(model) if overlap else None
         record_forward_reads(model, sims)
+        record_after_phase_reads(opt, sims)
         gen = torch.Generator().manual_seed(1)
         seen = []
         for step in range(STEPS):

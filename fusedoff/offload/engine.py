@@ -417,7 +417,8 @@ class OffloadEngine:
                 values = dict.get(state, p)
                 if values:
                     converted[p] = dict(rules._loaded_states(group, p, values))
-        self.join()  # the old buckets' last chunks: done before a forward reads their parameters
+        # (wait_host above waited for every chunk's copies back, after their computation: nothing the
+        # main stream runs from now on can see the old buckets' chunks unfinished)
         forward_order = self.forward_order
         peak = max(self._device_peak, self.device_bytes)
         self.__init__(**self.config(decided={}))

@@ -152,8 +152,7 @@ class FusedOptimizer(Optimizer):
         next step, keeping its value; until then states stay where they are."""
         config = {**self._config, "device_budget": device_budget}
         OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"], device_budget)  # refuses first
-        self._engine.wait_host()
-        self._engine.join()
+        self._engine.wait_host()  # every chunk done (copied back after its computation): no join needed
         forward_order = self._engine.forward_order
         peak = self._engine.memory_stats()["device_peak_bytes"]
         self._config = config
