@@ -71,6 +71,9 @@ def overlap_with(optimizer, model: nn.Module, order: Iterable[torch.Tensor] | No
         if not own:
             continue
 
+        # Eager under torch.compile: the events it waits on change every step, so a traced copy of
+        # this hook would wait on the ones it saw when it was traced.
+        @torch.compiler.disable
         def wait(module, args, own=own, key=id(module)) -> None:
             optimizer._engine.wait_for(key, own)
 
