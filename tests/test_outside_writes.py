@@ -198,7 +198,8 @@ def test_a_write_of_the_same_bits_keeps_the_master_exactly(placement, optimizer)
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("order", ["model first", "optimizer first"])
-def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, order):
+@pytest.mark.parametrize("through", ["memory", "file"])
+def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, order, through, tmp_path):
     dtype = torch.bfloat16
     with device_of(placement):
         model = Model(dtype)
@@ -216,6 +217,10 @@ def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, o
         saved_opt = {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
                                for k, s in saved_opt["state"].items()},
                      "param_groups": saved_opt["param_groups"]}
+        if through == "file":  # torch.save of the live dicts (step counts are views of one vector), then load
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+            loaded = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+            saved_model, saved_opt = loaded["model"], loaded["optimizer"]
         train(model, opt, range(3, 6))
 
         resumed = Model(dtype)

@@ -285,6 +285,21 @@ def test_the_overlapped_step_equals_the_plain_one_on_a_gpu(precision):
     assert_bit_equal(train_on_cuda(precision, True), train_on_cuda(precision, False))
 
 
+def streamed_net(overlap: bool):
+    """The network and a streamed AdamW over it, overlapping its forward when asked."""
+    model = Net(torch.float32)
+    opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=256)
+    if overlap:
+        opt.overlap_with(model)
+    return model, opt
+
+
+def final(model, opt):
+    """The parameters and every state, in train()'s form (one read of the states, at the end)."""
+    return [p.detach().clone() for p in model.parameters()], [
+        [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_step_with_no_forward_before_it_waits_for_the_last_one(seed):
     """Two steps in a row (no forward, hence no hook, between them): the second counts its steps and
@@ -292,15 +307,11 @@ def test_a_step_with_no_forward_before_it_waits_for_the_last_one(seed):
 
     def run(overlap: bool):
         with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=seed)):
-            model = Net(torch.float32)
-            opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=256)
-            if overlap:
-                opt.overlap_with(model)
+            model, opt = streamed_net(overlap)
             model(torch.randn(2, WIDTH)).sum().backward()
             opt.step()
             opt.step()  # the same gradients again
-            return [p.detach().clone() for p in model.parameters()], [
-                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]]
+            return final(model, opt)
 
     assert_bit_equal(run(True), run(False))
 
@@ -313,10 +324,7 @@ def test_a_compiled_forward_still_waits_for_its_chunks(seed):
 
     def run(overlap: bool):
         with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=seed)):
-            model = Net(torch.float32)
-            opt = fusedoff.AdamW(model.parameters(), lr=1e-2, offload="stream", chunk_size=256)
-            if overlap:
-                opt.overlap_with(model)
+            model, opt = streamed_net(overlap)
             forward = torch.compile(model)
             gen = torch.Generator().manual_seed(1)
             for _ in range(STEPS):
@@ -324,7 +332,6 @@ def test_a_compiled_forward_still_waits_for_its_chunks(seed):
                 opt.step()
                 opt.zero_grad()
             model.state_dict()
-            return [p.detach().clone() for p in model.parameters()], [
-                [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]]
+            return final(model, opt)
 
     assert_bit_equal(run(True), run(False))

@@ -173,10 +173,7 @@ class Bucket:
         counts.index_add_(0, index, torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped)
 
     def remember_param(self, t: int) -> None:
-        param = self.params[t]
-        local = local_tensor(param)
-        # A DTensor's own in-place ops count on the DTensor, the kernels' writes on its local tensor.
-        self.watched[t] = (param._version, local._version, local.data_ptr())
+        self.watched[t] = _param_mark(self.params[t])
 
     def remember_params(self, stepping: list[int]) -> None:
         """After the step has written the parameters: their versions now are the step's own."""
@@ -232,12 +229,10 @@ class Bucket:
                 if value is None or value is not objects[t]:
                     self.adopt(t, values)
                     break
-            if follows:
-                local = local_tensor(param)
-                if watched[t] != (param._version, local._version, local.data_ptr()):
-                    for name in follows:
-                        self._take_from_param(t, name)
-                    self.remember_param(t)
+            if follows and watched[t] != _param_mark(param):
+                for name in follows:
+                    self._take_from_param(t, name)
+                self.remember_param(t)
         return steps
 
     def adopt(self, t: int, state: dict) -> None:
@@ -398,6 +393,14 @@ class Bucket:
                 offsets=[p.tensor_offset for p in pieces],
             ))
         return calls
+
+
+def _param_mark(param: Tensor) -> tuple[int, int, int]:
+    """What moves when something writes `param`: its version counter and its local tensor's (a
+    DTensor's own in-place ops count on the DTensor, the kernels' writes on its local tensor), and
+    its local storage (``p.data = ...``)."""
+    local = local_tensor(param)
+    return param._version, local._version, local.data_ptr()
 
 
 def _dtypes(grads: list[Tensor]) -> tuple:
