@@ -56,6 +56,7 @@ const char* state_dtype_name(at::ScalarType dtype) {
     case at::kFloat: return "float32";
     case at::kBFloat16: return "bfloat16";
     case at::kByte: return "uint8";
+    case at::kShort: return "int16";
     default: return "a supported dtype";
   }
 }
@@ -76,6 +77,23 @@ void check_state(const at::Tensor& state, const at::Tensor& param, const char* w
     TORCH_CHECK(state.numel() == numel, "fusedoff: ", what, "[", index, "] has ", state.numel(),
                 " elements, expected ", numel);
   }
+}
+
+// How a call's master weights are stored, told by their dtype: fp32 whole; int16 or uint8 the low
+// bits of a split master, whose upper half is the bf16 parameter (see [note: split master weights]).
+MasterPrecision master_precision_of(at::TensorList master_params, at::TensorList params) {
+  if (master_params.empty() || params.empty()) return master_params.empty() ? MasterPrecision::None : MasterPrecision::Float32;
+  const at::ScalarType type = master_params[0].scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kShort || type == at::kByte,
+              "fusedoff: master_params are float32 (whole), int16 or uint8 (split), got ", type);
+  TORCH_CHECK(type == at::kFloat || params[0].scalar_type() == at::kBFloat16,
+              "fusedoff: a split master weight (", type, " low bits) needs bfloat16 parameters, got ",
+              params[0].scalar_type());
+  return type == at::kFloat ? MasterPrecision::Float32 : type == at::kShort ? MasterPrecision::Split16 : MasterPrecision::Split8;
+}
+
+at::ScalarType master_storage_type(MasterPrecision precision) {
+  return precision == MasterPrecision::Split16 ? at::kShort : precision == MasterPrecision::Split8 ? at::kByte : at::kFloat;
 }
 
 void check_scalar(const std::optional<at::Tensor>& t, const at::Device& device, const char* what) {
@@ -134,6 +152,8 @@ void run_on_cpu(Launch& launch, at::TensorList params, void (*kernel)(const Laun
 template <typename Launch, typename Kernel>
 void run_on_cuda(Launch& launch, at::TensorList params, Kernel&& kernel) {
   if (launch.num_tensors == 0) return;
+  TORCH_CHECK(launch.master == MasterPrecision::None || launch.master == MasterPrecision::Float32,
+              "fusedoff: split master weights are not implemented in the cuda backend yet");
 #if defined(FUSEDOFF_CUDA_EMULATION)
   TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the emulated CUDA kernels take CPU tensors, got ",
               params[0].device());
@@ -182,7 +202,7 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
   AdamLaunch launch{};
   launch.num_tensors = n;
   launch.amsgrad = amsgrad;
-  launch.has_master = !master_params.empty();
+  launch.master = master_precision_of(master_params, params);
   launch.hyper = hyper;
   if (n == 0) return launch;
 
@@ -199,13 +219,15 @@ AdamLaunch describe_adam_call(at::TensorList params, at::TensorList grads, at::T
     check_state(exp_avgs[i], p, "exp_avgs", i);
     check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i);
     if (amsgrad) check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i);
-    if (launch.has_master) check_state(master_params[i], p, "master_params", i);
+    if (launch.master != MasterPrecision::None) {
+      check_state(master_params[i], p, "master_params", i, master_storage_type(launch.master));
+    }
     ptrs[i] = AdamTensorPtrs{p.data_ptr(),
                              g.data_ptr(),
                              exp_avgs[i].data_ptr<float>(),
                              exp_avg_sqs[i].data_ptr<float>(),
                              amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() : nullptr,
-                             launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                             launch.master != MasterPrecision::None ? master_params[i].data_ptr() : nullptr,
                              steps[i].data_ptr<float>(),
                              p.numel()};
   }
@@ -256,7 +278,7 @@ CompressedAdamLaunch describe_compressed_adam_call(
               "fusedoff: master_params must be empty or have one tensor per parameter");
   CompressedAdamLaunch launch{};
   launch.num_tensors = n;
-  launch.has_master = !master_params.empty();
+  launch.master = master_precision_of(master_params, params);
   launch.hyper = hyper;
   if (n == 0) return launch;
 
@@ -284,7 +306,9 @@ CompressedAdamLaunch describe_compressed_adam_call(
       check_state(exp_avg_absmaxs[i], p, "exp_avg_absmaxs", i, at::kFloat, blocks);
       check_state(exp_avg_sq_absmaxs[i], p, "exp_avg_sq_absmaxs", i, at::kFloat, blocks);
     }
-    if (launch.has_master) check_state(master_params[i], p, "master_params", i);
+    if (launch.master != MasterPrecision::None) {
+      check_state(master_params[i], p, "master_params", i, master_storage_type(launch.master));
+    }
     TORCH_CHECK(offsets[i] >= 0 && (!block8 || offsets[i] % kQuantBlock == 0), "fusedoff: offsets[", i, "] is ",
                 offsets[i], "; ranges of 8-bit states start on a block of ", kQuantBlock, " elements");
     TORCH_CHECK(tensor_keys[i] >= 0 && tensor_keys[i] <= 0xffffffffLL, "fusedoff: tensor_keys[", i,
@@ -295,7 +319,7 @@ CompressedAdamLaunch describe_compressed_adam_call(
                                        exp_avg_sqs[i].data_ptr(),
                                        block8 ? exp_avg_absmaxs[i].data_ptr<float>() : nullptr,
                                        block8 ? exp_avg_sq_absmaxs[i].data_ptr<float>() : nullptr,
-                                       launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                                       launch.master != MasterPrecision::None ? master_params[i].data_ptr() : nullptr,
                                        steps[i].data_ptr<float>(),
                                        p.numel(),
                                        offsets[i],
@@ -384,7 +408,7 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
               "fusedoff: master_params must be empty or have one tensor per parameter");
   ApolloLaunch launch{};
   launch.num_tensors = static_cast<int64_t>(n);
-  launch.has_master = !master_params.empty();
+  launch.master = master_precision_of(master_params, params);
   launch.phase = parse_phase(phase);
   launch.hyper = hyper;
   if (n == 0) return launch;
@@ -402,7 +426,9 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
     check_state(exp_avg_grads[i], p, "exp_avg_grads", idx);
     check_state(approx_hessians[i], p, "approx_hessians", idx);
     check_state(updates[i], p, "updates", idx);
-    if (launch.has_master) check_state(master_params[i], p, "master_params", idx);
+    if (launch.master != MasterPrecision::None) {
+      check_state(master_params[i], p, "master_params", idx, master_storage_type(launch.master));
+    }
     TORCH_CHECK(stats[i].numel() == kNumApolloStats && stats[i].scalar_type() == at::kDouble &&
                     stats[i].device() == device && stats[i].is_contiguous(),
                 "fusedoff: stats[", i, "] must be a contiguous float64 tensor of ", kNumApolloStats, " elements on ",
@@ -414,7 +440,7 @@ ApolloLaunch describe_apollo_call(at::TensorList params, at::TensorList grads, a
                                exp_avg_grads[i].data_ptr<float>(),
                                approx_hessians[i].data_ptr<float>(),
                                updates[i].data_ptr<float>(),
-                               launch.has_master ? master_params[i].data_ptr<float>() : nullptr,
+                               launch.master != MasterPrecision::None ? master_params[i].data_ptr() : nullptr,
                                steps[i].data_ptr<float>(),
                                stats[i].data_ptr<double>(),
                                p.numel(),

@@ -46,7 +46,7 @@ FUSEDOFF_INLINE float block_absmax(const float* x, int64_t n) {
   return bits_to_float(static_cast<uint32_t>(most));
 }
 
-template <typename P, typename G, bool kMaster, bool kScaled, bool kBlock8>
+template <typename P, typename G, MasterPrecision kMaster, bool kScaled, bool kBlock8>
 struct CompressedAdamRange {
 // One 8-bit block of `n` <= kQuantBlock elements from element `block` of the range: decode and
 // update, find the new scales, encode.
@@ -54,7 +54,8 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
                                           const AdamScalars& s) {
   P* __restrict__ param = static_cast<P*>(t.param) + block;
   const G* __restrict__ grad = static_cast<const G*>(t.grad) + block;
-  float* __restrict__ master = kMaster ? t.master + block : nullptr;
+  void* master = master_at<kMaster>(t.master, block);
+  const uint32_t salt = split8_salt(*t.step);
   uint8_t* __restrict__ m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
   uint8_t* __restrict__ v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
   const int64_t b = block / kQuantBlock;
@@ -64,10 +65,9 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
   float v[kQuantBlock];
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const Updated u = adam_updated(kMaster ? master[i] : load_float(param + i), load_float(grad + i),
+    const Updated u = adam_updated(MasterWeight<kMaster, P>::load(master, param, i), load_float(grad + i),
                                    decode_signed(m_codes[i], m_scale), decode_unsigned(v_codes[i], v_scale), scale, s);
-    if (kMaster) master[i] = u.param;
-    store_float(param + i, u.param);
+    MasterWeight<kMaster, P>::store(master, param, i, u.param, salt);
     m[i] = u.exp_avg;
     v[i] = u.exp_avg_sq;
   }
@@ -109,16 +109,16 @@ static FUSEDOFF_INLINE void update_bf16(const CompressedAdamTensorPtrs& t, int64
                                         uint32_t span_key, uint32_t index_low, float scale, const AdamScalars& s) {
   P* __restrict__ param = static_cast<P*>(t.param) + begin;
   const G* __restrict__ grad = static_cast<const G*>(t.grad) + begin;
-  float* __restrict__ master = kMaster ? t.master + begin : nullptr;
+  void* master = master_at<kMaster>(t.master, begin);
+  const uint32_t salt = split8_salt(*t.step);
   bfloat16_t* __restrict__ m_store = static_cast<bfloat16_t*>(t.exp_avg) + begin;
   bfloat16_t* __restrict__ v_store = static_cast<bfloat16_t*>(t.exp_avg_sq) + begin;
   const int64_t n = end - begin;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const Updated u = adam_updated(kMaster ? master[i] : load_float(param + i), load_float(grad + i),
+    const Updated u = adam_updated(MasterWeight<kMaster, P>::load(master, param, i), load_float(grad + i),
                                    load_float(m_store + i), load_float(v_store + i), scale, s);
-    if (kMaster) master[i] = u.param;
-    store_float(param + i, u.param);
+    MasterWeight<kMaster, P>::store(master, param, i, u.param, salt);
     const uint32_t bits = rounding_bits_in_span(span_key, index_low + static_cast<uint32_t>(i));
     m_store[i].bits = float_to_bf16_stochastic(u.exp_avg, bits & 0xffffu);
     v_store[i].bits = float_to_bf16_stochastic(u.exp_avg_sq, bits >> 16);
@@ -128,16 +128,20 @@ static FUSEDOFF_INLINE void update_bf16(const CompressedAdamTensorPtrs& t, int64
 
 using RangeFn = void (*)(const CompressedAdamTensorPtrs*, int64_t, int64_t, float, const AdamScalars*, uint32_t);
 
-template <typename P, typename G, bool kMaster, bool kScaled, bool kBlock8>
+template <typename P, typename G, MasterPrecision kMaster, bool kScaled, bool kBlock8>
 RangeFn select_range_fn() {
   return select_isa_variant<CompressedAdamRange<P, G, kMaster, kScaled, kBlock8>, const CompressedAdamTensorPtrs*,
                             int64_t, int64_t, float, const AdamScalars*, uint32_t>();
 }
 
 template <typename P, typename G, bool kBlock8>
-RangeFn select_range_fn(bool master, bool scaled) {
-  if (master) return scaled ? select_range_fn<P, G, true, true, kBlock8>() : select_range_fn<P, G, true, false, kBlock8>();
-  return scaled ? select_range_fn<P, G, false, true, kBlock8>() : select_range_fn<P, G, false, false, kBlock8>();
+RangeFn select_range_fn(MasterPrecision precision, bool scaled) {
+  RangeFn fn = nullptr;
+  dispatch_master<P>(precision, [&](auto master) {
+    constexpr MasterPrecision kMaster = decltype(master)::value;
+    fn = scaled ? select_range_fn<P, G, kMaster, true, kBlock8>() : select_range_fn<P, G, kMaster, false, kBlock8>();
+  });
+  return fn;
 }
 
 RangeFn select_range_fn(const CompressedAdamLaunch& launch, bool scaled) {
@@ -146,8 +150,8 @@ RangeFn select_range_fn(const CompressedAdamLaunch& launch, bool scaled) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      fn = launch.precision == StatePrecision::Block8 ? select_range_fn<P, G, true>(launch.has_master, scaled)
-                                                      : select_range_fn<P, G, false>(launch.has_master, scaled);
+      fn = launch.precision == StatePrecision::Block8 ? select_range_fn<P, G, true>(launch.master, scaled)
+                                                      : select_range_fn<P, G, false>(launch.master, scaled);
     });
   });
   return fn;

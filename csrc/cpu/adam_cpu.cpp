@@ -36,7 +36,7 @@ FUSEDOFF_INLINE void prefetch_lines(const T* data, int64_t begin, int64_t end) {
 // benchmarks/results/RESULTS.md).
 // NOTE: `s` is a local copy so that the compiler keeps the scalars in registers: through the
 // pointer it reloaded and re-broadcast all ten in every iteration (a float store may alias them).
-template <typename P, typename G, bool kAmsgrad, bool kMaster, bool kScaled>
+template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster, bool kScaled>
 struct AdamRange {
 static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int64_t end, float grad_scale,
                                 const AdamScalars* scalars) {
@@ -46,7 +46,8 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
   float* __restrict__ exp_avg = t.exp_avg;
   float* __restrict__ exp_avg_sq = t.exp_avg_sq;
   float* __restrict__ max_exp_avg_sq = t.max_exp_avg_sq;
-  float* __restrict__ master = t.master;
+  void* master = t.master;
+  const uint32_t salt = split8_salt(*t.step);
   const AdamScalars s = *scalars;
   const float scale = kScaled ? grad_scale : 1.0f;
   for (int64_t chunk = begin; chunk < end; chunk += kPrefetchChunk) {
@@ -57,13 +58,15 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
       prefetch_lines<1>(exp_avg, ahead, ahead_end);
       prefetch_lines<1>(exp_avg_sq, ahead, ahead_end);
       if (kAmsgrad) prefetch_lines<1>(max_exp_avg_sq, ahead, ahead_end);
-      if (kMaster) prefetch_lines<1>(master, ahead, ahead_end);
+      if (kMaster == MasterPrecision::Float32) prefetch_lines<1>(static_cast<float*>(master), ahead, ahead_end);
+      if (kMaster == MasterPrecision::Split16) prefetch_lines<1>(static_cast<uint16_t*>(master), ahead, ahead_end);
+      if (kMaster == MasterPrecision::Split8) prefetch_lines<1>(static_cast<uint8_t*>(master), ahead, ahead_end);
       prefetch_lines<1>(param, ahead, ahead_end);
       prefetch_lines<0>(grad, ahead, ahead_end);
     }
 #pragma omp simd
     for (int64_t i = chunk; i < chunk_end; ++i) {
-      float p = kMaster ? master[i] : load_float(param + i);
+      float p = MasterWeight<kMaster, P>::load(master, param, i);
       float m = exp_avg[i];
       float v = exp_avg_sq[i];
       float vmax = kAmsgrad ? max_exp_avg_sq[i] : 0.0f;
@@ -71,8 +74,7 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
       if (kAmsgrad) max_exp_avg_sq[i] = vmax;
-      if (kMaster) master[i] = p;
-      store_float(param + i, p);
+      MasterWeight<kMaster, P>::store(master, param, i, p, salt);
     }
   }
 }
@@ -80,18 +82,20 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
 
 using RangeFn = void (*)(const AdamTensorPtrs*, int64_t, int64_t, float, const AdamScalars*);
 
-template <typename P, typename G, bool kAmsgrad, bool kMaster, bool kScaled>
+template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster, bool kScaled>
 RangeFn select_range_fn() {
   return select_isa_variant<AdamRange<P, G, kAmsgrad, kMaster, kScaled>, const AdamTensorPtrs*, int64_t, int64_t,
                             float, const AdamScalars*>();
 }
 
 template <typename P, typename G, bool kAmsgrad>
-RangeFn select_range_fn(bool master, bool scaled) {
-  if (master) {
-    return scaled ? select_range_fn<P, G, kAmsgrad, true, true>() : select_range_fn<P, G, kAmsgrad, true, false>();
-  }
-  return scaled ? select_range_fn<P, G, kAmsgrad, false, true>() : select_range_fn<P, G, kAmsgrad, false, false>();
+RangeFn select_range_fn(MasterPrecision precision, bool scaled) {
+  RangeFn fn = nullptr;
+  dispatch_master<P>(precision, [&](auto master) {
+    constexpr MasterPrecision kMaster = decltype(master)::value;
+    fn = scaled ? select_range_fn<P, G, kAmsgrad, kMaster, true>() : select_range_fn<P, G, kAmsgrad, kMaster, false>();
+  });
+  return fn;
 }
 
 RangeFn select_range_fn(const AdamLaunch& launch, bool scaled) {
@@ -100,8 +104,8 @@ RangeFn select_range_fn(const AdamLaunch& launch, bool scaled) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      fn = launch.amsgrad ? select_range_fn<P, G, true>(launch.has_master, scaled)
-                          : select_range_fn<P, G, false>(launch.has_master, scaled);
+      fn = launch.amsgrad ? select_range_fn<P, G, true>(launch.master, scaled)
+                          : select_range_fn<P, G, false>(launch.master, scaled);
     });
   });
   return fn;

@@ -26,15 +26,15 @@ struct RangeArgs {
   float decay;                   // Full/Finish
 };
 
-template <typename P, bool kMaster>
+template <typename P, MasterPrecision kMaster>
 FUSEDOFF_INLINE float load_param(const ApolloTensorPtrs& t, int64_t i) {
-  return kMaster ? t.master[i] : load_float(static_cast<const P*>(t.param) + i);
+  return MasterWeight<kMaster, P>::load(t.master, static_cast<const P*>(t.param), i);
 }
 
 // Pass 1: returns this range's partial sums; NaN in y is counted so that max|y| propagates it.
 using HostPartials = ApolloPartialsT<double>;
 
-template <typename P, typename G, bool kMaster, bool kL2>
+template <typename P, typename G, MasterPrecision kMaster, bool kL2>
 struct ReduceRange {
 static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   const ApolloTensorPtrs& t = *a.t;
@@ -43,7 +43,7 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   const float* __restrict__ hessian = t.approx_hessian;
   const float* __restrict__ d = t.update;
   const P* __restrict__ param = static_cast<const P*>(t.param);
-  const float* __restrict__ master = t.master;
+  const void* master = t.master;
   const ApolloStepScalars s{a.c->alpha, a.c->curr_lr, a.c->l2_decay, 0.0};  // apollo_grad reads l2_decay only
   double sum_d4 = 0.0, sum_yd = 0.0, sum_bdd = 0.0;
   float max_abs_y = 0.0f;
@@ -52,7 +52,7 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   for (int64_t i = a.begin; i < a.end; ++i) {
     // NOTE: the parameter is read through local restrict pointers: through `t` (load_param) GCC
     // left this loop scalar, about half as fast (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
-    const float p = kL2 ? (kMaster ? master[i] : load_float(param + i)) : 0.0f;
+    const float p = kL2 ? MasterWeight<kMaster, P>::load(master, param, i) : 0.0f;
     const float g = apollo_grad(load_float(grad + i), p, a.grad_scale, s);
     float d4, yd, bdd, abs_y;
     apollo_reduce_terms(g, m[i], hessian[i], d[i], d4, yd, bdd, abs_y);
@@ -67,13 +67,14 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
 };
 
 // Pass 2 ('Full' or 'Moments'): updates m and B (and, when kFinish, d and p); returns sum D.
-template <typename P, typename G, bool kMaster, bool kFinish, bool kL2>
+template <typename P, typename G, MasterPrecision kMaster, bool kFinish, bool kL2>
 struct ApplyRange {
 static FUSEDOFF_INLINE double run(RangeArgs a) {
   const ApolloTensorPtrs& t = *a.t;
   const G* __restrict__ grad = static_cast<const G*>(t.grad);
   P* __restrict__ param = static_cast<P*>(t.param);
-  float* __restrict__ master = t.master;
+  void* master = t.master;
+  const uint32_t salt = split8_salt(*t.step);
   float* __restrict__ m = t.exp_avg_grad;
   float* __restrict__ hessian = t.approx_hessian;
   float* __restrict__ d = t.update;
@@ -94,8 +95,7 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
     if (kFinish) {
       apollo_finish_element(p, mi, bi, di, a.decay, c);
       d[i] = di;
-      if (kMaster) master[i] = p;
-      store_float(param + i, p);
+      MasterWeight<kMaster, P>::store(master, param, i, p, salt);
     } else {
       sum_rebound += apollo_rebound(bi, c);
     }
@@ -105,12 +105,13 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
 };
 
 // 'Finish' ('stable' pass 3): d and p from the new m and B.
-template <typename P, bool kMaster>
+template <typename P, MasterPrecision kMaster>
 struct FinishRange {
 static FUSEDOFF_INLINE double run(RangeArgs a) {
   const ApolloTensorPtrs& t = *a.t;
   P* __restrict__ param = static_cast<P*>(t.param);
-  float* __restrict__ master = t.master;
+  void* master = t.master;
+  const uint32_t salt = split8_salt(*t.step);
   const float* __restrict__ m = t.exp_avg_grad;
   const float* __restrict__ hessian = t.approx_hessian;
   float* __restrict__ d = t.update;
@@ -121,14 +122,13 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
     float di;
     apollo_finish_element(p, m[i], hessian[i], di, a.decay, c);
     d[i] = di;
-    if (kMaster) master[i] = p;
-    store_float(param + i, p);
+    MasterWeight<kMaster, P>::store(master, param, i, p, salt);
   }
   return 0.0;
 }
 };
 
-template <typename P, typename G, bool kMaster>
+template <typename P, typename G, MasterPrecision kMaster>
 void apollo_phase(const ApolloLaunch& launch) {
   const float grad_scale = launch.grad_scale != nullptr ? *launch.grad_scale : 1.0f;
   const int64_t n = launch.num_tensors;
@@ -194,11 +194,7 @@ void apollo_step_cpu(const ApolloLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if (launch.has_master) {
-        apollo_phase<P, G, true>(launch);
-      } else {
-        apollo_phase<P, G, false>(launch);
-      }
+      dispatch_master<P>(launch.master, [&](auto master) { apollo_phase<P, G, decltype(master)::value>(launch); });
     });
   });
 }

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
       v[k] = 0.0f;
       if (i >= n) continue;
       const int64_t e = first + i;
-      float p = kMaster ? t.master[e] : load_float(param + e);
+      float p = kMaster ? static_cast<float*>(t.master)[e] : load_float(param + e);
       if (kBlock8) {
         m[k] = decode_signed(static_cast<const uint8_t*>(t.exp_avg)[e], m_scale);
         v[k] = decode_unsigned(static_cast<const uint8_t*>(t.exp_avg_sq)[e], v_scale);
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       float unused = 0.0f;
       adam_update<false>(p, load_float(grad + e), m[k], v[k], unused, grad_scale, s);
-      if (kMaster) t.master[e] = p;
+      if (kMaster) static_cast<float*>(t.master)[e] = p;
       store_float(param + e, p);
       if (kBlock8) {
         m_max = fmaxf(m_max, finite_magnitude(m[k]));
@@ -158,7 +158,7 @@ void adam_compressed_step_cuda(const CompressedAdamLaunch& launch) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
       const bool block8 = launch.precision == StatePrecision::Block8;
-      if (launch.has_master) {
+      if ((launch.master == MasterPrecision::Float32)) {
         block8 ? launch_compressed_chunks<P, G, true, true>(launch) : launch_compressed_chunks<P, G, true, false>(launch);
       } else {
         block8 ? launch_compressed_chunks<P, G, false, true>(launch)

@@ -59,7 +59,7 @@ __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const AdamTensorPtrs& t, i
   c.exp_avg = t.exp_avg + begin;
   c.exp_avg_sq = t.exp_avg_sq + begin;
   c.max_exp_avg_sq = kAmsgrad ? t.max_exp_avg_sq + begin : nullptr;
-  c.master = kMaster ? t.master + begin : nullptr;
+  c.master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
   return c;
 }
 
@@ -158,7 +158,7 @@ void launch_adam_chunks(const AdamLaunch& launch) {
   AdamChunkTable table{};
   table.args = AdamLaunchArgs{launch.grad_scale, launch.found_inf, launch.hyper};
   const auto head_of = [&](const AdamTensorPtrs& t) {
-    return adam_vector_head<P, G>(t, launch.amsgrad, launch.has_master);
+    return adam_vector_head<P, G>(t, launch.amsgrad, (launch.master == MasterPrecision::Float32));
   };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
@@ -175,11 +175,11 @@ void adam_step_cuda(const AdamLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if (launch.amsgrad && launch.has_master) {
+      if (launch.amsgrad && (launch.master == MasterPrecision::Float32)) {
         launch_adam_chunks<P, G, true, true>(launch);
       } else if (launch.amsgrad) {
         launch_adam_chunks<P, G, true, false>(launch);
-      } else if (launch.has_master) {
+      } else if ((launch.master == MasterPrecision::Float32)) {
         launch_adam_chunks<P, G, false, true>(launch);
       } else {
         launch_adam_chunks<P, G, false, false>(launch);

@@ -144,7 +144,7 @@ __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const ApolloTensorPtrs& t,
   c.exp_avg_grad = t.exp_avg_grad + begin;
   c.hessian = t.approx_hessian + begin;
   c.update = t.update + begin;
-  c.master = kMaster ? t.master + begin : nullptr;
+  c.master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
   return c;
 }
 
@@ -398,7 +398,7 @@ void for_each_launch(const ApolloLaunch& launch, bool l2, ApolloChunkTable& tabl
   const int64_t floats_per_block = partial_floats(launch.phase);
   float* partials = static_cast<float*>(launch.workspace);
   const auto head_of = [&](const ApolloTensorPtrs& t) {
-    return apollo_vector_head<P, G>(t, launch.phase, launch.has_master, l2);
+    return apollo_vector_head<P, G>(t, launch.phase, (launch.master == MasterPrecision::Float32), l2);
   };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
@@ -459,7 +459,7 @@ void apollo_step_cuda(const ApolloLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if (launch.has_master) {
+      if ((launch.master == MasterPrecision::Float32)) {
         launch_apollo_phase<P, G, true>(launch);
       } else {
         launch_apollo_phase<P, G, false>(launch);

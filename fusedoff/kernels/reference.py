@@ -2,7 +2,8 @@
 
 It mirrors ``csrc/include/fusedoff/adam.h`` line for line. Math runs in float64 when any of the
 parameter (or master) and state tensors is float64, otherwise in float32; low-precision tensors are
-upcast on the fly and written back with round-to-nearest-even. With ``found_inf`` it computes the
+upcast on the fly and written back with round-to-nearest-even (a parameter with a master weight: the
+master's rounding, see fusedoff/kernels/master.py). With ``found_inf`` it computes the
 update and keeps the old values where ``found_inf`` is non-zero, so it never synchronises with the host.
 """
 
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 from fusedoff.kernels import codec
+from fusedoff.kernels import master as master_weights
 
 
 def _math_dtype(*tensors: Tensor) -> torch.dtype:
@@ -37,7 +39,7 @@ def adam_step_(
     """In-place Adam/AdamW step; ``steps`` hold each tensor's count after this step's increment."""
     for i, param in enumerate(params):
         master = master_params[i] if master_params else None
-        weights = master if master is not None else param
+        weights = master_weights.load(master, param) if master is not None else param
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
         math = _math_dtype(weights, exp_avg)
         step = steps[i].to(torch.float64)
@@ -63,11 +65,10 @@ def adam_step_(
         denom = torch.sqrt(vhat) / bias_correction2_sqrt + hyper.eps
         p = p - step_size * (m / denom)
 
-        updates = [(exp_avg, m), (exp_avg_sq, v), (param, p)]
+        updates = [(exp_avg, m), (exp_avg_sq, v)]
+        updates += master_weights.stored(master, param, p, steps[i]) if master is not None else [(param, p)]
         if hyper.amsgrad:
             updates.append((max_exp_avg_sqs[i], vmax))
-        if master is not None:
-            updates.append((master, p))
         for target, value in updates:
             if found_inf is not None:
                 value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(math), value)
@@ -147,7 +148,7 @@ def apollo_step_(
     belief = hyper.rebound == "belief"
     for i, param in enumerate(params):
         master = master_params[i] if master_params else None
-        weights = master if master is not None else param
+        weights = master_weights.load(master, param) if master is not None else param
         m_state, b_state, d_state, st = exp_avg_grads[i], approx_hessians[i], updates[i], stats[i]
         math = _math_dtype(weights, m_state)
         alpha64, curr_lr64 = _apollo_step_scalars(steps[i], hyper)
@@ -201,7 +202,8 @@ def apollo_step_(
             elif decay == "stable":
                 u = u + (hyper.weight_decay / (st[4] / total_numels[i])).to(math) * p
             p = p - curr_lr * u
-            writes += [(d_state, u), (param, p)] + ([(master, p)] if master is not None else [])
+            writes += [(d_state, u)]
+            writes += master_weights.stored(master, param, p, steps[i]) if master is not None else [(param, p)]
         for target, value in writes:
             if found_inf is not None:
                 value = torch.where(found_inf.reshape(()).to(torch.bool), target.to(value.dtype), value)

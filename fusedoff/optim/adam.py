@@ -11,7 +11,7 @@ from fusedoff import ops
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
-from fusedoff.optim.base import FusedOptimizer
+from fusedoff.optim.base import FusedOptimizer, master_states
 from fusedoff.optim.validation import check_torch_flags
 from fusedoff.sharding import is_dtensor, local_tensor
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
@@ -50,6 +50,7 @@ class Adam(FusedOptimizer):
         device_budget: int | None = None,
         state_precision: str = "fp32",
         seed: int = 0,
+        master_precision: str = "fp32",
     ) -> None:
         # torch's refusals first, in its order; then what fusedoff cannot do (capturable, differentiable).
         betas = _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
@@ -58,7 +59,8 @@ class Adam(FusedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
-                         chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+                         chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
+                         master_precision=master_precision)
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
@@ -66,9 +68,11 @@ class Adam(FusedOptimizer):
         super().add_param_group(param_group)
 
     def _check_group_options(self, group: dict) -> None:
+        super()._check_group_options(group)
         _check_precision(group.get("state_precision", "fp32"), group.get("seed", 0), group.get("amsgrad", False))
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
+        super()._check_group_param(group, param)
         if group["state_precision"] != "fp32" and is_dtensor(param):
             raise ValueError(f"state_precision={group['state_precision']!r} does not support sharded (DTensor) "
                              "parameters yet (their block scales and checkpoints are per shard); use 'fp32' for them")
@@ -91,7 +95,7 @@ class Adam(FusedOptimizer):
             def call(phase: Phase, args: UpdateArgs) -> None:
                 states = args.states
                 ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
-                               states.get("max_exp_avg_sq", []), states.get("master_param", []), args.steps,
+                               states.get("max_exp_avg_sq", []), master_states(states), args.steps,
                                **beside)
         else:
             # The random stream's key of each tensor: the optimizer's seed and the parameter's index
@@ -103,7 +107,7 @@ class Adam(FusedOptimizer):
                 states = args.states
                 ops.adam_compressed_step_(
                     args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
-                    states.get("exp_avg_sq_absmax", []), states.get("master_param", []), args.steps, args.offsets,
+                    states.get("exp_avg_sq_absmax", []), master_states(states), args.steps, args.offsets,
                     [keys[t] for t in args.tensors], **beside)
 
         return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
@@ -113,6 +117,7 @@ class Adam(FusedOptimizer):
         """A loaded state in `group`'s precision: fp32 moments (a torch.optim checkpoint) are
         compressed (bf16 rounded to nearest; 8-bit quantized), compressed ones are kept, or decoded
         for an fp32 group."""
+        state = super()._loaded_states(group, param, state)
         precision = group["state_precision"]
         out = {k: v for k, v in state.items() if not k.endswith("_absmax")}
         for name in MOMENTS:
@@ -144,8 +149,9 @@ class Adam(FusedOptimizer):
     def fp32_state_dict(self) -> dict:
         """``state_dict()`` with every moment as fp32 (compressed ones decoded, their block scales
         left out): what ``torch.optim.Adam``/``AdamW.load_state_dict`` takes. The groups keep
-        fusedoff's options (torch ignores them), with ``state_precision`` "fp32" as their states are."""
-        state_dict = self.state_dict()
+        fusedoff's options (torch ignores them), with ``state_precision`` "fp32" as their states are,
+        and master weights whole (``master_param``)."""
+        state_dict = super().fp32_state_dict()
         state_dict["param_groups"] = [{**g, "state_precision": "fp32"} for g in state_dict["param_groups"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, state in state_dict["state"].items():
@@ -187,6 +193,12 @@ class AdamW(Adam):
             parameters. The master follows the parameter: a parameter written between steps
             (``copy_``, ``load_state_dict``, ``torch.nn.init``, ``p.data = ...``) is where the
             next step starts (see the README). fp16/bf16 gradients are upcast inside the kernel.
+        master_precision: how master weights are stored: "fp32" (default) whole; "split" their low 16
+            bits only, the bf16 parameter being their upper half (2 bytes per parameter instead of 4,
+            every result bit for bit those of "fp32"); "split8" 8 bits (1 byte; the master rounded
+            stochastically to 24 bits each step, relative error < 2^-15). bf16 parameters only: an
+            fp16 parameter cannot carry the upper half of its master (see the README). With master
+            weights, a bf16 parameter is the master rounded to nearest with ties away from zero.
         offload: where states (and master weights) live. "none": on the parameters' device.
             "stream": in host memory, streamed to the parameters' device chunk by chunk through
             `num_buffers` buffers of `chunk_size` elements per state, except what fits in
@@ -231,12 +243,13 @@ class AdamW(Adam):
         device_budget: int | None = None,
         state_precision: str = "fp32",
         seed: int = 0,
+        master_precision: str = "fp32",
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, backend=backend, master_weights=master_weights,
                          offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
-                         state_precision=state_precision, seed=seed)
+                         state_precision=state_precision, seed=seed, master_precision=master_precision)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

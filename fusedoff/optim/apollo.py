@@ -7,7 +7,7 @@ import torch
 from fusedoff import ops
 from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
-from fusedoff.optim.base import FusedOptimizer
+from fusedoff.optim.base import MASTER_NAMES, FusedOptimizer, master_states
 from fusedoff.sharding import all_reduce_over_shards_
 
 # How the shards of a sharded (FSDP2) tensor combine their partial sums, after the phase that fills
@@ -44,7 +44,7 @@ class Apollo(FusedOptimizer):
             ``'stable'`` (added to the update, divided by the mean curvature); defaults to 'L2' for
             constant rebound and 'decoupled' for belief.
         state_precision: "fp32" only (see the README's "Compressed optimizer states").
-        backend, master_weights, offload, chunk_size, num_buffers, device_budget: as for
+        backend, master_weights, master_precision, offload, chunk_size, num_buffers, device_budget: as for
             :class:`fusedoff.AdamW`. Streamed chunks holding only whole tensors run every phase in
             one visit; the chunks of tensors spanning chunks are streamed once per phase (reduce,
             apply; with 'stable' decay reduce, moments, finish), since the sums cover whole tensors.
@@ -59,7 +59,8 @@ class Apollo(FusedOptimizer):
                  warmup: int = 500, init_lr: float | None = None, weight_decay: float = 0,
                  weight_decay_type: str | None = None, *, backend: str = "auto",
                  master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
-                 num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32") -> None:
+                 num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32",
+                 master_precision: str = "fp32") -> None:
         _refuse_compressed(state_precision)
         if not 0.0 < lr:
             raise ValueError(f"Invalid learning rate value: {lr}")
@@ -84,7 +85,8 @@ class Apollo(FusedOptimizer):
         defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
                         weight_decay=weight_decay, weight_decay_type=weight_decay_type)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
-                         chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+                         chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
+                         master_precision=master_precision)
 
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
         super()._register_hooks()
@@ -94,6 +96,7 @@ class Apollo(FusedOptimizer):
         return ("exp_avg_grad", "approx_hessian", "update")
 
     def _check_group_options(self, group: dict) -> None:
+        super()._check_group_options(group)
         _refuse_compressed(group.get("state_precision", "fp32"))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -107,7 +110,7 @@ class Apollo(FusedOptimizer):
                                       weight_decay=group["weight_decay"], rebound=group["rebound"],
                                       weight_decay_type=group["weight_decay_type"])
         moments = self._state_names(group)
-        master = tuple(n for n in names if n == "master_param")
+        master = tuple(n for n in names if n in MASTER_NAMES)
         # Every backend reads the parameter in 'reduce' and 'moments' only with L2 decay.
         l2 = group["weight_decay"] != 0 and group["weight_decay_type"] == "L2"
         touched = {  # phase: (states read, states written)
@@ -122,7 +125,7 @@ class Apollo(FusedOptimizer):
         def call(phase: Phase, args: UpdateArgs) -> None:
             states = args.states
             ops.apollo_step_(args.params, args.grads, states["exp_avg_grad"], states["approx_hessian"],
-                             states["update"], states.get("master_param", []), args.steps, args.stats,
+                             states["update"], master_states(states), args.steps, args.stats,
                              args.total_numels, phase=phase.name, hyper=hyper, grad_scale=grad_scale,
                              found_inf=found_inf, backend=backend)
 

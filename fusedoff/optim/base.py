@@ -17,14 +17,41 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from fusedoff.backends import backend_named, resolve_backend
+from fusedoff.kernels import master as masters
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, StateSpec
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
 from fusedoff.optim.state import OptimizerState
 from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_torch_flags
+from fusedoff.sharding import local_tensor
 
 MASTER = StateSpec("master_param", follows_param=True)
+# A split master weight: its low bits beside the bf16 parameter (see [note: split master weights] in
+# csrc/include/fusedoff/master.h). It does not follow the parameter: the parameter *is* its upper
+# half, so a written parameter moves the master with it, keeping the low bits.
+MASTER_LOW_BITS = "master_low_bits"
+MASTER_NAMES = (MASTER.name, MASTER_LOW_BITS)
+
+
+def master_spec(precision: str) -> StateSpec:
+    """How a master weight of `precision` ("fp32", "split", "split8") is kept."""
+    if precision == "fp32":
+        return MASTER
+    return StateSpec(MASTER_LOW_BITS, masters.storage_dtype(precision))
+
+
+def master_states(states: dict) -> list:
+    """The master weights of a fused call's `states` (whole or split), or [] without."""
+    return states.get(MASTER.name) or states.get(MASTER_LOW_BITS) or []
+
+
+def check_master_options(master_precision, master_weights_option) -> None:
+    if master_precision not in masters.PRECISIONS:
+        raise ValueError(f"master_precision must be one of {masters.PRECISIONS}, got {master_precision!r}")
+    if master_precision != "fp32" and master_weights_option is False:
+        raise ValueError(f"master_precision={master_precision!r} stores master weights, but master_weights=False "
+                         "keeps none: leave master_weights at None (or True)")
 
 # [note: who asks whether the step unscales]
 # torch.amp.GradScaler.step reads `_step_supports_amp_scaling`: when true it sets `grad_scale` and
@@ -52,14 +79,17 @@ class FusedOptimizer(Optimizer):
         return isinstance(sys._getframe(1).f_locals.get("self"), torch.amp.GradScaler)
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
-                 chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None) -> None:
+                 chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None,
+                 master_precision: str = "fp32") -> None:
         if backend != "auto":
             backend_named(backend)  # raises, naming the backends there are
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
+        check_master_options(master_precision, master_weights)
         self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
         self._start_engine(self._config)
-        super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights})
+        super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights,
+                                  "master_precision": master_precision})
         self._wrap_state()
         self._register_hooks()
 
@@ -85,26 +115,61 @@ class FusedOptimizer(Optimizer):
 
     # ---- what the engine asks (fusedoff.offload.contract.OptimizerRules) ----------------------
     def _bucket_specs(self, group: dict, dtype: torch.dtype) -> tuple[StateSpec, ...]:
-        """The states of a parameter of `dtype` in `group`: the subclass's, and fp32 master weights
-        for fp16/bf16 parameters unless ``master_weights=False``."""
-        return self._state_specs(group) + ((MASTER,) if keeps_master(dtype, group["master_weights"]) else ())
+        """The states of a parameter of `dtype` in `group`: the subclass's, and master weights (in
+        the group's ``master_precision``) for fp16/bf16 parameters unless ``master_weights=False``."""
+        keeps = keeps_master(dtype, group["master_weights"])
+        return self._state_specs(group) + ((master_spec(group.get("master_precision", "fp32")),) if keeps else ())
 
     @staticmethod
     def _resolve_backend(group: dict, device: torch.device) -> str:
         return resolve_backend(group["backend"], device)
 
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
-        """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps
-        (default: as it is). Raises before anything changes if it cannot be."""
-        return state
+        """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps:
+        here the master weight, whole or split as the group keeps it (a split one read beside the
+        parameter as it is now: load the model first); subclasses convert their own states. Raises
+        before anything changes if it cannot be."""
+        loaded = {name: state[name] for name in MASTER_NAMES if isinstance(state.get(name), Tensor)}
+        if not loaded or not keeps_master(param.dtype, group["master_weights"]):
+            return state
+        precision = group.get("master_precision", "fp32")
+        name, value = next(iter(loaded.items()))
+        spec = master_spec(precision)
+        if name == spec.name and value.dtype == spec.dtype:
+            return state
+        if precision != "fp32" and param.dtype != torch.bfloat16:
+            raise ValueError(f"master_precision={precision!r} needs bfloat16 parameters, got {param.dtype}")
+        local = local_tensor(param).detach()
+        fp32 = value.to(torch.float32) if value.is_floating_point() else masters.join(local, local_tensor(value))
+        out = {k: v for k, v in state.items() if k not in MASTER_NAMES}
+        out[spec.name] = fp32 if precision == "fp32" else masters.split(fp32, precision)
+        return out
 
     def _check_group_options(self, group: dict) -> None:
         """Raises if `group`'s fusedoff options cannot work together (a loaded group, or one
-        changed since it was added); default: nothing to check."""
+        changed since it was added); subclasses add their own."""
+        check_master_options(group.get("master_precision", "fp32"), group.get("master_weights"))
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
-        """Raises if `param` cannot be stepped with `group`'s options; default: nothing to check."""
+        """Raises if `param` cannot be stepped with `group`'s options; subclasses add their own."""
+        precision = group.get("master_precision", "fp32")
+        if precision != "fp32" and keeps_master(param.dtype, group["master_weights"]) and param.dtype != torch.bfloat16:
+            raise ValueError(f"master_precision={precision!r} splits a master weight around its bfloat16 parameter; "
+                             f"an {param.dtype} parameter cannot be split exactly (an fp16 value near zero is the "
+                             "rounding of up to 2^30 fp32 values): use master_precision='fp32' for its group")
 
+    def fp32_state_dict(self) -> dict:
+        """``state_dict()`` with master weights whole (fp32 ``master_param``), as torch's form has them."""
+        state_dict = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        state_dict["param_groups"] = [{**g, "master_precision": "fp32"} for g in state_dict["param_groups"]]
+        for pid, state in list(state_dict["state"].items()):
+            low = state.get(MASTER_LOW_BITS)
+            if isinstance(low, Tensor):
+                state = state_dict["state"][pid] = {k: v for k, v in state.items() if k != MASTER_LOW_BITS}
+                local = local_tensor(params[pid]).detach()
+                state[MASTER.name] = masters.join(local, local_tensor(low)).reshape(local.shape)
+        return state_dict
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
                       found_inf: Tensor | None, names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:
         """The fused update of one bucket of `group` whose states are `names` (master_param included
@@ -206,6 +271,9 @@ class FusedOptimizer(Optimizer):
             param_group = {**param_group, "params": params}
             check_group([p[1] if isinstance(p, tuple) else p for p in params])
             check_torch_flags(**{key: param_group[key] for key in TORCH_FLAGS if key in param_group})
+        if isinstance(param_group, dict):
+            merged = {**getattr(self, "defaults", {}), **param_group}
+            check_master_options(merged.get("master_precision", "fp32"), merged.get("master_weights"))
         super().add_param_group(param_group)
 
     def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):

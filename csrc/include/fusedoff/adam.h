@@ -18,6 +18,7 @@
 
 #include "fusedoff/dtypes.h"
 #include "fusedoff/macros.h"
+#include "fusedoff/master.h"
 #include "fusedoff/state_codec.h"
 
 namespace fusedoff {
@@ -86,8 +87,9 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void adam_update(float& param, float grad, 
 }
 
 // The pointers of one tensor of a fused call. `param` has the storage type P and `grad` the type G
-// (possibly different). With `master` set, the fp32 master copy is the parameter the math updates
-// and `param` receives its round-to-nearest-even copy; otherwise `param` is updated in place.
+// (possibly different). With `master` set, the master weight (stored as the launch's
+// MasterPrecision, see master.h) is the parameter the math updates and `param` receives its
+// rounding; otherwise `param` is updated in place.
 // `step` points at the tensor's step count after this step's increment (a float, like torch's
 // `state["step"]`).
 struct AdamTensorPtrs {
@@ -96,7 +98,7 @@ struct AdamTensorPtrs {
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // nullptr unless amsgrad
-  float* master;          // nullptr without master weights
+  void* master;           // nullptr without master weights (see master.h)
   const float* step;
   int64_t numel;
 };
@@ -108,7 +110,7 @@ struct AdamLaunch {
   DType param_dtype;
   DType grad_dtype;
   bool amsgrad;
-  bool has_master;
+  MasterPrecision master;
   AdamHyperparams hyper;
   const float* grad_scale;  // nullptr: no scaling
   const float* found_inf;   // nullptr: always step; *found_inf != 0: change nothing
@@ -126,7 +128,7 @@ struct CompressedAdamTensorPtrs {
   void* exp_avg_sq;
   float* exp_avg_absmax;     // 8-bit only: ceil(numel / kQuantBlock) scales
   float* exp_avg_sq_absmax;  // 8-bit only
-  float* master;             // nullptr without master weights
+  void* master;              // nullptr without master weights (see master.h)
   const float* step;
   int64_t numel;
   int64_t offset;       // the range's first element in its tensor: origin of the blocks and random indices
@@ -139,7 +141,7 @@ struct CompressedAdamLaunch {
   DType param_dtype;
   DType grad_dtype;
   StatePrecision precision;  // BFloat16 or Block8
-  bool has_master;
+  MasterPrecision master;
   AdamHyperparams hyper;
   const float* grad_scale;
   const float* found_inf;

@@ -35,6 +35,7 @@
 
 #include "fusedoff/dtypes.h"
 #include "fusedoff/macros.h"
+#include "fusedoff/master.h"
 
 namespace fusedoff {
 
@@ -209,7 +210,7 @@ struct ApolloTensorPtrs {
   float* exp_avg_grad;
   float* approx_hessian;
   float* update;
-  float* master;       // nullptr without master weights
+  void* master;        // nullptr without master weights (see master.h)
   const float* step;   // the tensor's step count after this step's increment
   double* stats;       // kNumApolloStats whole-tensor sums, shared by every range of the tensor
   int64_t numel;       // elements in this range
@@ -221,7 +222,7 @@ struct ApolloLaunch {
   int64_t num_tensors;
   DType param_dtype;
   DType grad_dtype;
-  bool has_master;
+  MasterPrecision master;
   ApolloPhase phase;
   ApolloHyperparams hyper;
   const float* grad_scale;  // nullptr: no scaling

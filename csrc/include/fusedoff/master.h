@@ -1,0 +1,143 @@
+// Master weights, written once for every backend. ATen-free.
+//
+// [note: split master weights]
+// A low-precision parameter keeps an fp32 master weight, which the update reads and writes; the
+// parameter receives the master's rounding. `master_precision` says how the master is stored:
+//   "fp32":   the whole fp32 value (4 bytes per element).
+//   "split":  its low 16 bits only (2 bytes); the bf16 parameter is its upper half. Exact.
+//   "split8": 8 bits (1 byte); the master is first rounded, stochastically, to 24 bits. Lossy.
+//
+// Why exact needs ties away from zero. With the parameter as the master rounded to nearest *even*,
+// an even bf16 value u is the rounding of 2^16 + 1 fp32 values (its two ties both round to it),
+// which no 16 bits tell apart. Rounded to nearest with ties away from zero, every bf16 value is the
+// rounding of exactly 2^16 fp32 values: the 2^15 whose bits are u's with low half 0x0000-0x7fff,
+// and the 2^15 below them, whose upper half is u - 1 (in magnitude) and low half 0x8000-0xffff. So
+// the low 16 bits of the master, read as a signed offset from u << 16, give the master back, bit
+// for bit: m = (u << 16) + int16(low). That is why a parameter with a master weight, in every
+// master precision (fp32 included, so that "split" and "fp32" give the same bits), is the master
+// rounded to nearest with ties away from zero; the two roundings differ only where the master's
+// low 16 bits are exactly 0x8000 and u - 1 is even (one element in 2^17). Without a master, a
+// parameter is updated in place and rounded to nearest even, as torch does.
+// Special values: inf is the rounding of itself and of the 2^15 finite values just below it
+// (offsets -0x8000..0); NaN keeps its upper half, quieted, so a quiet NaN master (every NaN that
+// arithmetic makes) comes back bit for bit from `high | low` (a signaling one comes back quiet).
+// The proof runs over all 2^32 fp32 values in tests/test_split_master.py (split_master_selftest).
+// fp16 parameters cannot be split: an fp16 value near zero is the rounding of up to 2^30 fp32
+// values (its subnormals and zero cover many fp32 binades), so "split" refuses them.
+//
+// "split8": the master, rounded stochastically to a multiple of 256 in its bit pattern (15 stored
+// mantissa bits, unbiased: it rounds up with probability low8 / 256), is then split exactly as above
+// and its bits 8-15 stored. Per step the stored master is within 256 units in the last place of the
+// fp32 result (relative error < 2^-15), and equal to it in expectation. The random byte is a hash of
+// the master's bits and the step (`split8_salt`), so it needs no state and is the same on every
+// backend, placement and chunking. Rounding never overflows a finite master to inf.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "fusedoff/dtypes.h"
+#include "fusedoff/macros.h"
+#include "fusedoff/state_codec.h"
+
+namespace fusedoff {
+
+enum class MasterPrecision : int { None = 0, Float32 = 1, Split16 = 2, Split8 = 3 };
+
+// The bf16 parameter of master `value`: rounded to nearest, ties away from zero; NaN quieted.
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t master_to_bf16_bits(float value) {
+  const uint32_t u = float_to_bits(value);
+  const uint32_t nan = (u >> 16) | 0x0040u;
+  const uint32_t rounded = (u + 0x8000u) >> 16;  // sign-magnitude: adding rounds the magnitude half up
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// The master whose rounding is the bf16 `param_bits` and whose low 16 bits are `low_bits`.
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float join_master(uint16_t param_bits, uint16_t low_bits) {
+  const uint32_t high = static_cast<uint32_t>(param_bits) << 16;
+  const uint32_t offset = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(low_bits)));
+  const bool nan = (param_bits & 0x7fffu) > 0x7f80u;
+  return bits_to_float(nan ? (high | low_bits) : high + offset);
+}
+
+// The key of one step's random bytes for "split8" (`step` the count after this step's increment).
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t split8_salt(float step) {
+  return rounding_step_key(0x5b1175a8u, static_cast<uint32_t>(step));
+}
+
+// `value` rounded stochastically to a multiple of 256 in its bit pattern (see the note).
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float round_master_split8(float value, uint32_t salt) {
+  const uint32_t u = float_to_bits(value);
+  const uint32_t random = mix32(u ^ salt) & 0xffu;
+  const uint32_t up = (u + random) & 0xffffff00u;
+  const uint32_t down = u & 0xffffff00u;
+  const bool finite = (u & 0x7f800000u) != 0x7f800000u;
+  const bool overflowed = finite && (up & 0x7f800000u) == 0x7f800000u;
+  const uint32_t rounded = overflowed ? down : up;
+  const uint32_t nan = (u | 0x00400000u) & 0xffffff00u;
+  return bits_to_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// The parameter of a master weight: bf16 as above; fp16 rounded to nearest even (fp16 is never split).
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(bfloat16_t* p, float v) { p->bits = master_to_bf16_bits(v); }
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(half_t* p, float v) { store_float(p, v); }
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(float* p, float v) { *p = v; }
+
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const bfloat16_t& p) { return p.bits; }
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const half_t& p) { return p.bits; }
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const float&) { return 0; }  // never split
+
+// Element i of a parameter of storage type P and its master weight stored as M: `load` is the fp32
+// value the update starts from, `store` writes the updated value to both. `master` points at the
+// master's storage (float, or the uint16/uint8 low bits), null with None. `salt`: split8_salt.
+template <MasterPrecision M, typename P>
+struct MasterWeight {
+  static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float load(const void* master, const P* param, int64_t i) {
+    if (M == MasterPrecision::Float32) return static_cast<const float*>(master)[i];
+    if (M == MasterPrecision::Split16) return join_master(storage_bits(param[i]), static_cast<const uint16_t*>(master)[i]);
+    if (M == MasterPrecision::Split8) {
+      const uint32_t low = static_cast<uint32_t>(static_cast<const uint8_t*>(master)[i]) << 8;
+      return join_master(storage_bits(param[i]), static_cast<uint16_t>(low));
+    }
+    return load_float(param + i);
+  }
+
+  static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store(void* master, P* param, int64_t i, float value, uint32_t salt) {
+    if (M == MasterPrecision::None) {
+      store_float(param + i, value);
+      return;
+    }
+    if (M == MasterPrecision::Split8) value = round_master_split8(value, salt);
+    store_param_of_master(param + i, value);
+    const uint32_t bits = float_to_bits(value);
+    if (M == MasterPrecision::Float32) static_cast<float*>(master)[i] = value;
+    if (M == MasterPrecision::Split16) static_cast<uint16_t*>(master)[i] = static_cast<uint16_t>(bits);
+    if (M == MasterPrecision::Split8) static_cast<uint8_t*>(master)[i] = static_cast<uint8_t>(bits >> 8);
+  }
+};
+
+// `master` advanced by `offset` elements of its storage.
+template <MasterPrecision M>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void* master_at(void* master, int64_t offset) {
+  const int64_t bytes = M == MasterPrecision::Float32 ? 4 : M == MasterPrecision::Split16 ? 2 : 1;
+  return master == nullptr ? nullptr : static_cast<void*>(static_cast<char*>(master) + offset * bytes);
+}
+
+// Calls `fn(std::integral_constant<MasterPrecision, M>{})` for the run-time `precision`; the split
+// ones only for bf16 parameters (P), which ops.cpp checks.
+template <typename P, typename Fn>
+inline void dispatch_master(MasterPrecision precision, Fn&& fn) {
+  using MP = MasterPrecision;
+  switch (precision) {
+    case MP::None: fn(std::integral_constant<MP, MP::None>{}); break;
+    case MP::Float32: fn(std::integral_constant<MP, MP::Float32>{}); break;
+    case MP::Split16:
+      if constexpr (std::is_same<P, bfloat16_t>::value) fn(std::integral_constant<MP, MP::Split16>{});
+      break;
+    case MP::Split8:
+      if constexpr (std::is_same<P, bfloat16_t>::value) fn(std::integral_constant<MP, MP::Split8>{});
+      break;
+  }
+}
+
+}  // namespace fusedoff
