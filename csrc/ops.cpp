@@ -555,5 +555,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   m.def("cpu_isa", &fusedoff::cpu_isa_name, "instruction set the host kernels dispatch to on this CPU");
+  m.def(
+      "split_master_selftest",
+      [](uint32_t salt, int num_threads) {
+        const fusedoff::SplitMasterSelftest r = fusedoff::split_master_selftest(salt, num_threads);
+        return std::make_tuple(r.split_failures, r.split8_failures, r.split8_outside_bound, r.roundings_off);
+      },
+      "over all 2^32 fp32 values: failures of (split round trip, split8 round trip, split8 bound, "
+      "parameter rounding); see [note: split master weights]");
 }
 #endif

@@ -32,7 +32,11 @@ keeps an exact master exact: where the parameter holds, bit for bit, the master'
 order), the master is kept. A master loaded or assigned through ``opt.state`` is held to the same
 rule at the next step. Writes through ``.data`` (``p.data.copy_(w)``) bypass the version counter by
 design of ``.data`` and cannot be seen without reading every parameter: write parameters under
-``torch.no_grad()`` instead (the README says so).
+``torch.no_grad()`` instead (the README says so). A split master (its low bits only, see [note:
+split master weights] in csrc/include/fusedoff/master.h) is not a `follows_param` state: the
+parameter is its upper half, so a written parameter carries the master with it, low bits kept; the
+master is the written value plus less than half a bf16 unit in the last place, and the same bits
+written back (a checkpoint, an EMA swap) keep it exact.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from fusedoff.kernels.master import param_of_master
 from fusedoff.offload.contract import StateSpec, UpdateArgs
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.plan import Chunk, ChunkPlan
@@ -187,13 +192,13 @@ class Bucket:
         bits = _BITS[local.element_size()]
         if self.resident[t]:
             # On the device, without a host synchronisation: kept where the parameter holds its rounding.
-            same = (master.to(local.dtype).view(bits) == local.view(bits)).all()
+            same = (param_of_master(master, local.dtype).view(bits) == local.view(bits)).all()
             master.copy_(torch.where(same, master, local.to(master.dtype)))
             return
         self.before_host_write()  # the previous step's copies back have landed
         self.runtime.host_access([master], write=False, what=f"{name} of tensor {t} compared with its parameter")
         on_host = local.to("cpu")  # a parameter on the device: one synchronous copy, at a write only
-        if not torch.equal(master.to(local.dtype).view(bits), on_host.view(bits)):
+        if not torch.equal(param_of_master(master, local.dtype).view(bits), on_host.view(bits)):
             self.runtime.host_access([master], write=True, what=f"{name} of tensor {t} taken from its parameter")
             master.copy_(on_host)
 

@@ -39,9 +39,12 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
                                  f"but the parameter has {param.numel()}" + (" (one scale per block of "
                                  f"{codec.QUANT_BLOCK})" if scales else ""))
             codes = value.dtype == torch.uint8 and isinstance(saved.get(f"{key}_absmax"), Tensor)
-            if not value.is_floating_point() and not codes:
+            # A split master's low bits (see [note: split master weights] in csrc/include/fusedoff/master.h).
+            low_bits = key == "master_low_bits" and value.dtype in (torch.int16, torch.uint8)
+            if not value.is_floating_point() and not codes and not low_bits:
                 raise ValueError(f"state {key!r} of parameter {pid} is a {value.dtype} tensor; fusedoff keeps "
-                                 "floating-point states, or uint8 codes with their block scales")
+                                 "floating-point states, uint8 codes with their block scales, or the int16/uint8 "
+                                 "low bits of a split master (master_low_bits)")
             if not scales:
                 state_for_param(value, param, key)  # raises if sharded unlike the parameter
     optimizer._states_set_aside = (saved_ids, tensors)

@@ -14,6 +14,17 @@ void adam_compressed_step_cpu(const CompressedAdamLaunch& launch);
 // Host Apollo kernel, one phase of the step (see apollo.h).
 void apollo_step_cpu(const ApolloLaunch& launch);
 
+// Counts of the fp32 bit patterns for which a claim of [note: split master weights] (master.h) fails:
+// the split master's round trip, the split8 one's, the split8 rounding's bound, and the parameter's
+// rounding (to nearest, ties away from zero). All zero is the proof; tests/test_split_master.py runs it.
+struct SplitMasterSelftest {
+  int64_t split_failures;
+  int64_t split8_failures;
+  int64_t split8_outside_bound;
+  int64_t roundings_off;
+};
+SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads);
+
 // The instruction set the host kernels dispatch to on this CPU ("avx512", "avx2", "baseline").
 const char* cpu_isa_name();
 

@@ -1,0 +1,293 @@
+"""master_precision "split" and "split8": the master weight stored as low bits beside its bf16 parameter.
+
+The claims of [note: split master weights] (csrc/include/fusedoff/master.h), each against an
+independent oracle:
+- the encoding, over all 2^32 fp32 values (a C++ loop), and why it needs ties away from zero
+  (torch's own round-to-nearest-even leaves 2^16 + 1 masters on an even bf16 value);
+- "split" gives the bits of "fp32" (the run with whole fp32 masters) for every parameter, state and
+  master, resident, streamed, mixed and on the simulated device, for AdamW with every state
+  precision and Apollo with every decay, on the cpu and torch backends (the others: see
+  test_split_master_backends.py);
+- "split8" keeps, per step, the master within 256 units in the last place of the fp32 step from
+  the same state, and equals its stochastic rounding's definition in master.py;
+- checkpoints convert both ways, refusals come before anything changes, and a written parameter
+  carries its master's low bits with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import fusedoff
+from fusedoff import ops
+from fusedoff.hyperparameters import AdamHyperparameters
+from fusedoff.kernels import master as masters
+from fusedoff.offload import runtimes
+from fusedoff.offload.simulator import SimulatedRuntime
+
+SHAPES = ((33, 7), (1,), (300,), (5, 33))
+PLACEMENTS = ("resident", "streamed", "mixed", "simulated")
+STEPS = 4
+
+
+def test_the_split_encoding_is_exact_for_every_fp32_value():
+    """master.h's functions over all 2^32 bit patterns (two salts for split8): the split master
+    comes back bit for bit, split8's rounding comes back and stays within 256 units, and the
+    parameter is the rounding to nearest with ties away from zero. A few seconds of C++."""
+    from fusedoff import _C
+
+    for salt in (0, 0x9E3779B9):
+        split, split8, split8_bound, rounding = _C.split_master_selftest(salt, torch.get_num_threads())
+        assert (split, split8, split8_bound, rounding) == (0, 0, 0, 0)
+
+
+def test_round_to_nearest_even_leaves_one_master_too_many_for_16_bits():
+    """Why the parameter of a master rounds ties away: under torch's round-to-nearest-even, the fp32
+    values that round to the even bf16 1.0 number 2^16 + 1, and to its odd neighbour 2^16 - 1."""
+    around = torch.arange(0x3F7F0000, 0x3F810000, dtype=torch.int64)  # the upper halves 0x3f7f, 0x3f80
+    values = around.to(torch.int32).view(torch.float32)
+    rne = values.to(torch.bfloat16).view(torch.int16).to(torch.int64)
+    assert int((rne == 0x3F80).sum()) == 2**16 + 1  # 1.0 (even): both ties round to it
+    assert int((rne == 0x3F7F).sum()) < 2**16  # its odd neighbour below (its lower half is cut off here)
+    rna = masters.param_of_master(values, torch.bfloat16).view(torch.int16).to(torch.int64)
+    assert int((rna == 0x3F80).sum()) == 2**16
+
+
+def test_the_torch_mirror_agrees_with_the_definition_on_random_values():
+    """fusedoff/kernels/master.py: split and join give random masters back (NaN quieted), and the
+    parameter differs from torch's rounding only at ties."""
+    bits = torch.randint(-2**31, 2**31, (1 << 18,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    bits[:4] = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000 - (1 << 32), 0x7F7FFFFF])  # ties, FLT_MAX
+    values = bits.to(torch.int32).view(torch.float32)
+    param = masters.param_of_master(values, torch.bfloat16)
+    joined = masters.join(param, masters.split(values, "split"))
+    nan = values.isnan()
+    assert torch.equal(joined[~nan].view(torch.int32), values[~nan].view(torch.int32))
+    assert joined[nan].isnan().all()
+    ties = (bits & 0xFFFF) == 0x8000
+    differs = param.view(torch.int16) != values.to(torch.bfloat16).view(torch.int16)
+    assert not (differs & ~ties & ~nan).any() and differs[:3].tolist() == [True, False, True]
+
+
+# ---- the optimizers, split against fp32 ---------------------------------------------------------
+@contextlib.contextmanager
+def device_of(placement: str):
+    if placement != "simulated":
+        yield
+        return
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
+        yield
+
+
+def where(placement: str, bytes_per_element: int) -> dict:
+    if placement == "resident":
+        return dict(offload="none")
+    if placement == "mixed":  # the first tensor resident, the rest streamed
+        return dict(offload="stream", chunk_size=64, device_budget=33 * 7 * bytes_per_element)
+    return dict(offload="stream", chunk_size=64)
+
+
+OPTIMIZERS = {
+    "AdamW fp32": (fusedoff.AdamW, dict(weight_decay=0.1), 8),
+    "AdamW bf16": (fusedoff.AdamW, dict(weight_decay=0.1, state_precision="bf16"), 4),
+    "AdamW 8bit": (fusedoff.AdamW, dict(weight_decay=0.1, state_precision="8bit"), 2),
+    "Adam L2": (fusedoff.Adam, dict(weight_decay=0.1), 8),
+    "Apollo L2": (fusedoff.Apollo, dict(warmup=2, weight_decay=0.1, weight_decay_type="L2"), 12),
+    "Apollo stable": (fusedoff.Apollo, dict(warmup=2, weight_decay=0.1, weight_decay_type="stable",
+                                            rebound="belief"), 12),
+}
+
+
+def params_of(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(torch.bfloat16)) for shape in SHAPES]
+
+
+def train(name, master_precision, placement, backend="cpu", steps=STEPS, params=None, opt=None):
+    cls, options, state_bytes = OPTIMIZERS[name]
+    with device_of(placement):
+        params = params if params is not None else params_of()
+        if opt is None:
+            opt = cls(params, lr=1e-2, backend=backend, master_precision=master_precision,
+                      **where(placement, state_bytes + 4), **options)
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
+            opt.step()
+        states = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in params]
+    return params, opt, states
+
+
+def master_of(state: dict, param: torch.Tensor) -> torch.Tensor:
+    if "master_param" in state:
+        return state["master_param"]
+    return masters.join(param.detach(), state["master_low_bits"])
+
+
+def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
+
+
+# The torch backend (the reference) resident and streamed; the cpu backend in every placement.
+BACKEND_PLACEMENTS = [("cpu", placement) for placement in PLACEMENTS] + [("torch", "resident"), ("torch", "streamed")]
+
+
+@pytest.mark.parametrize("backend, placement", BACKEND_PLACEMENTS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_split_gives_the_bits_of_fp32(placement, name, backend):
+    want_params, _, want_states = train(name, "fp32", placement, backend)
+    params, opt, states = train(name, "split", placement, backend)
+    for t, (p, want) in enumerate(zip(params, want_params)):
+        assert_bits(p.detach(), want.detach(), f"parameter {t}")
+        assert states[t]["master_low_bits"].dtype == torch.int16 and "master_param" not in states[t]
+        assert_bits(master_of(states[t], p), want_states[t]["master_param"], f"master {t}")
+        for key, value in want_states[t].items():
+            if key != "master_param":
+                assert_bits(states[t][key], value, f"{key} of tensor {t}")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS[1:])
+@pytest.mark.parametrize("name", ["AdamW fp32", "AdamW 8bit", "Apollo stable"])
+def test_split8_gives_the_same_bits_in_every_placement(placement, name):
+    want_params, _, want_states = train(name, "split8", "resident")
+    params, _, states = train(name, "split8", placement)
+    for t in range(len(SHAPES)):
+        assert_bits(params[t].detach(), want_params[t].detach(), f"parameter {t}")
+        assert states[t]["master_low_bits"].dtype == torch.uint8
+        for key in want_states[t]:
+            assert_bits(states[t][key], want_states[t][key], f"{key} of tensor {t}")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_split8_keeps_each_step_within_256_units_of_the_fp32_step(backend):
+    """Each step from the split8 state, taken once with an fp32 master (the oracle) and once split8:
+    the split8 master is the stochastic rounding of the fp32 one as master.py defines it (the
+    kernel and the definition agree bit for bit), within 256 units in the last place, unbiased."""
+    generator = torch.Generator().manual_seed(1)
+    n = 1 << 16
+    param = (torch.randn(n, generator=generator) * 0.05).to(torch.bfloat16)
+    low = torch.zeros(n, dtype=torch.uint8)
+    m, v = torch.zeros(n), torch.zeros(n)
+    hyper = AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                decoupled_weight_decay=True, amsgrad=False, maximize=False)
+    drift = []
+    for step in range(1, 6):
+        grad = torch.randn(n, generator=generator).to(torch.bfloat16)
+        count = torch.tensor(float(step))
+        whole = [masters.join(param, low).clone()]
+        p32, m32, v32 = param.clone(), m.clone(), v.clone()
+        ops.adam_step_([p32], [grad], [m32], [v32], [], whole, [count], hyper=hyper, backend=backend)
+        ops.adam_step_([param], [grad], [m], [v], [], [low], [count], hyper=hyper, backend=backend)
+        assert torch.equal(m, m32) and torch.equal(v, v32)
+        got = masters.join(param, low)
+        assert torch.equal(got.view(torch.int32), masters.round_split8(whole[0], masters.split8_salt(count)).view(torch.int32))
+        assert torch.equal(param.view(torch.int16), masters.param_of_master(got, torch.bfloat16).view(torch.int16))
+        units = got.view(torch.int32).to(torch.int64) - whole[0].view(torch.int32).to(torch.int64)
+        assert units.abs().max() < 256 and (got.sign() == whole[0].sign()).all()
+        assert (got.view(torch.int32) & 0xFF).eq(0).all()
+        drift.append(units.double().mean())
+    assert abs(sum(drift) / len(drift)) < 2.0  # unbiased: the mean of 65536 roundings is ~0 +- 0.3
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("placement", ["resident", "streamed"])
+@pytest.mark.parametrize("saved, loaded", [("split", "fp32"), ("fp32", "split"), ("split", "split8"),
+                                           ("split8", "split")])
+def test_a_checkpoint_moves_between_master_precisions(placement, saved, loaded):
+    """Saved at one master precision, loaded (model first) into another: the loaded run continues as
+    the run that never stopped, bit for bit where the precision loses nothing (fp32 <-> split; from
+    split8, whose master is exact in any precision), and within split8's rounding into split8."""
+    params, opt, _ = train("AdamW fp32", saved, placement)
+    model_state = [p.detach().clone() for p in params]
+    checkpoint = copy.deepcopy(opt.state_dict())  # the live dict holds the states the next steps change
+    want_params, _, want_states = train("AdamW fp32", saved, placement, params=params, opt=opt)
+
+    resumed = params_of(seed=9)  # other values: the model's load must bring them back
+    cls, options, _ = OPTIMIZERS["AdamW fp32"]
+    with device_of(placement), torch.no_grad():
+        for p, value in zip(resumed, model_state):
+            p.copy_(value)
+    new_opt = cls(resumed, lr=1e-2, backend="cpu", master_precision=loaded, **where(placement, 12), **options)
+    new_opt.load_state_dict(checkpoint)
+    got_params, _, got_states = train("AdamW fp32", loaded, placement, params=resumed, opt=new_opt)
+    for t in range(len(SHAPES)):
+        got_master = master_of(got_states[t], got_params[t])
+        want_master = master_of(want_states[t], want_params[t])
+        if loaded == "split8" and saved != "split8":
+            units = got_master.view(torch.int32).to(torch.int64) - want_master.view(torch.int32).to(torch.int64)
+            assert units.abs().max() < 1024, f"master {t}"  # a few split8 roundings apart
+        else:
+            assert_bits(got_params[t].detach(), want_params[t].detach(), f"parameter {t}")
+            assert_bits(got_master, want_master, f"master {t}")
+            assert_bits(got_states[t]["exp_avg"], want_states[t]["exp_avg"], f"exp_avg {t}")
+
+
+def test_fp32_state_dict_holds_the_whole_master_and_loads_into_torch():
+    params, opt, states = train("AdamW fp32", "split", "streamed")
+    want_params, _, want_states = train("AdamW fp32", "fp32", "streamed")
+    state_dict = opt.fp32_state_dict()
+    assert {g["master_precision"] for g in state_dict["param_groups"]} == {"fp32"}
+    for t in range(len(SHAPES)):
+        saved = state_dict["state"][t]
+        assert "master_low_bits" not in saved
+        assert_bits(saved["master_param"], want_states[t]["master_param"], f"master {t}")
+    fp32_opt = fusedoff.AdamW(params_of(), lr=1e-2, master_precision="fp32")
+    fp32_opt.load_state_dict(state_dict)
+    assert fp32_opt.param_groups[0]["master_precision"] == "fp32"
+
+
+# ---- refusals and writes ---------------------------------------------------------------------------
+def test_refusals_come_before_anything_changes():
+    with pytest.raises(ValueError, match="master_precision must be one of"):
+        fusedoff.AdamW(params_of(), master_precision="bf16")
+    with pytest.raises(ValueError, match="master_weights=False"):
+        fusedoff.AdamW(params_of(), master_precision="split", master_weights=False)
+    with pytest.raises(ValueError, match="master_precision must be one of"):
+        fusedoff.Apollo(params_of(), lr=0.1, master_precision="split16")
+    half = [torch.nn.Parameter(torch.randn(8).to(torch.float16))]
+    opt = fusedoff.AdamW(half, master_precision="split", backend="cpu")
+    half[0].grad = torch.ones_like(half[0])
+    before = half[0].detach().clone()
+    with pytest.raises(ValueError, match="cannot be split exactly"):
+        opt.step()
+    assert torch.equal(half[0].detach(), before) and not opt.state
+    fp32 = [torch.nn.Parameter(torch.randn(8))]  # no master to split: the option changes nothing
+    opt = fusedoff.AdamW(fp32, master_precision="split", backend="cpu")
+    fp32[0].grad = torch.ones_like(fp32[0])
+    opt.step()
+    assert "master_low_bits" not in opt.state[fp32[0]] and "master_param" not in opt.state[fp32[0]]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_written_parameter_carries_the_master_low_bits(placement):
+    """A write between steps: the next step starts from the written bf16 value plus the master's old
+    low bits (the oracle: an fp32-master run whose master is assigned that value through opt.state);
+    the same bits written back keep everything exact (the oracle: the run without the write)."""
+    def run(write, assign=None, precision="split"):
+        params, opt, states = train("AdamW fp32", precision, placement, steps=2)
+        low = states[2].get("master_low_bits")
+        with device_of(placement), torch.no_grad():
+            value = write(params[2])
+            if value is not None:
+                params[2].copy_(value)
+            if assign is not None:
+                opt.state[params[2]]["master_param"] = masters.join(params[2].detach(), assign)
+        return train("AdamW fp32", precision, placement, steps=1, params=params, opt=opt), low
+
+    (split_params, _, split_states), low = run(lambda p: (p.float() * 2 + 1).to(torch.bfloat16))
+    (want_params, _, want_states), _ = run(lambda p: (p.float() * 2 + 1).to(torch.bfloat16), assign=low,
+                                           precision="fp32")
+    assert_bits(split_params[2].detach(), want_params[2].detach(), "the written parameter")
+    assert_bits(master_of(split_states[2], split_params[2]), want_states[2]["master_param"], "its master")
+
+    (same_params, _, same_states), _ = run(lambda p: p.detach().clone())
+    (plain_params, _, plain_states), _ = run(lambda p: None)
+    for t in range(len(SHAPES)):
+        assert_bits(same_params[t].detach(), plain_params[t].detach(), f"parameter {t}")
+        assert_bits(same_states[t]["master_low_bits"], plain_states[t]["master_low_bits"], f"master {t}")
