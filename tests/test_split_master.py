@@ -291,3 +291,22 @@ def test_a_written_parameter_carries_the_master_low_bits(placement):
     for t in range(len(SHAPES)):
         assert_bits(same_params[t].detach(), plain_params[t].detach(), f"parameter {t}")
         assert_bits(same_states[t]["master_low_bits"], plain_states[t]["master_low_bits"], f"master {t}")
+
+
+def test_the_quality_benchmark_trains_split_exactly_as_fp32(tmp_path):
+    """benchmarks/quality_master_precision.py, a few steps: the split run's losses are the fp32 run's."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality_master_precision.py"
+    spec = importlib.util.spec_from_file_location("quality_master_precision", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--steps", "6", "--window", "3", "--out", str(tmp_path)])
+    rows = {r["optimizer"]: r for r in csv.DictReader(open(tmp_path / "quality_master_precision.csv"))
+            if r.get("optimizer")}
+    assert rows["fusedoff_split"]["same_losses_as_fusedoff_fp32"] == "True"
+    assert float(rows["fusedoff_split"]["master_bytes_per_param"]) == 2.0
+    assert float(rows["fusedoff_split8"]["master_bytes_per_param"]) == 1.0
+    assert float(rows["fusedoff_fp32"]["master_bytes_per_param"]) == 4.0
