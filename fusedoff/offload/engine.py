@@ -36,7 +36,7 @@ from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateS
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
-from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
 from fusedoff.sharding import is_dtensor, local_tensor
@@ -79,6 +79,11 @@ class OffloadEngine:
         self.runtimes: dict[torch.device, Runtime] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
+        # Bytes copied each way: by runtimes this engine no longer holds (an engine placed afresh keeps
+        # its predecessor's count), and by the last step; parameter elements streamed in that step.
+        self._link_before = LinkBytes()
+        self._link_last_step = LinkBytes()
+        self._streamed_last_step = 0
         self._host_pending = False
         self.forward_order: dict[int, int] | None = None  # see overlap()
         self._waits: dict = {}  # wait_for's chunks per parameter set
@@ -223,6 +228,8 @@ class OffloadEngine:
         state, step count or parameter changes."""
         if self.forward_order is not None:  # the previous step's chunks: done before this one counts steps
             self.join()
+        link_before = self.link_total
+        self._link_last_step, self._streamed_last_step = LinkBytes(), 0
         self._forget_groups_from(len(groups))
         if self.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
@@ -270,6 +277,8 @@ class OffloadEngine:
             self._run_in_forward_order(runs)
         for run in runs:
             run.bucket.remember_params(run.stepping)
+        self._link_last_step = self.link_total - link_before
+        self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
 
     # ---- overlap with the next forward -------------------------------------------------------------
     def overlap(self, forward_order: dict[int, int] | None) -> None:
@@ -421,8 +430,10 @@ class OffloadEngine:
         # main stream runs from now on can see the old buckets' chunks unfinished)
         forward_order = self.forward_order
         peak = max(self._device_peak, self.device_bytes)
+        link_counts = self.link_counts()
         self.__init__(**self.config(decided={}))
         self._device_peak = peak  # the most the optimizer has held, over its whole life
+        self.carry_link_counts(link_counts)
         self.forward_order = forward_order
         for index, group in enumerate(groups):
             for key, (params, _) in self._members(index, group, rules).items():
@@ -459,6 +470,24 @@ class OffloadEngine:
                 bucket.runtime.host_access([s for slabs in bucket.store.slabs.values() for s in slabs], write=False,
                                            what="host state read after wait_host")
 
+    # ---- bytes over the link -----------------------------------------------------------------------
+    @property
+    def link_total(self) -> LinkBytes:
+        """Every byte copied between host memory and the devices, each way, over the optimizer's life."""
+        total = self._link_before
+        for rt in self.runtimes.values():
+            total = total + rt.link
+        return total
+
+    def link_counts(self) -> tuple[LinkBytes, LinkBytes, int]:
+        """(bytes over the optimizer's life, bytes of the last step, elements streamed in it)."""
+        return self.link_total, self._link_last_step, self._streamed_last_step
+
+    def carry_link_counts(self, counts: tuple[LinkBytes, LinkBytes, int]) -> None:
+        """A fresh engine (no runtime yet: states placed afresh) keeps the `link_counts()` of the one
+        it replaces."""
+        self._link_before, self._link_last_step, self._streamed_last_step = counts
+
     # ---- memory ----------------------------------------------------------------------------------
     @property
     def buffer_bytes(self) -> int:
@@ -483,11 +512,24 @@ class OffloadEngine:
         self._device_peak = max(self._device_peak, self.device_bytes)
         stores = [bucket.store for bucket in self.buckets.values() if bucket.store is not None]
         limits = list(self.budget.limits.values())
+        host_bytes = sum(s.nbytes for s in stores)
+        streamed = sum(sum(s.plan.numels) for s in stores)
+        last = self._link_last_step
         return {
-            "host_bytes": sum(s.nbytes for s in stores),
+            "host_bytes": host_bytes,
             "host_pinned": bool(stores) and all(s.pinned for s in stores),
             "resident_bytes": self.resident_bytes,
-            "streamed_bytes": sum(s.nbytes for s in stores),
+            "streamed_bytes": host_bytes,
+            # Per parameter element whose states stream (padding to the host store's alignment included).
+            "streamed_params": streamed,
+            "host_bytes_per_param": host_bytes / streamed if streamed else None,
+            # What the copies of the last step() moved, each way, counted as they were issued (none
+            # where every state is resident); per element of the parameters streamed in that step.
+            "link_bytes_last_step": last.as_dict(),
+            "streamed_params_last_step": self._streamed_last_step,
+            "link_bytes_per_param_last_step": {way: nbytes / self._streamed_last_step for way, nbytes in
+                                               last.as_dict().items()} if self._streamed_last_step else None,
+            "link_bytes_total": self.link_total.as_dict(),
             "device_bytes": self.device_bytes,
             "device_peak_bytes": self._device_peak,
             "chunk_size": self.chunk_size,

@@ -85,7 +85,7 @@ class StreamPipeline:
             buffers = self._views(slot, chunk, store, regions)
             rt.wait_event(self.copy_in, self._free[slot])
             for name in read:
-                rt.copy(self.copy_in, buffers[name], store.chunk(name, chunk))
+                rt.copy_to_device(self.copy_in, buffers[name], store.chunk(name, chunk))
             loaded = rt.record(self.copy_in)
             rt.wait_event(self.compute, loaded)
             touched = list(touches(chunk)) if rt.records_accesses else []
@@ -94,7 +94,7 @@ class StreamPipeline:
             computed = done[chunk.index] = rt.record(self.compute)
             rt.wait_event(self.copy_out, computed)
             for name in write:
-                rt.copy(self.copy_out, store.chunk(name, chunk), buffers[name])
+                rt.copy_to_host(self.copy_out, store.chunk(name, chunk), buffers[name])
             self._free[slot] = rt.record(self.copy_out)
         self._last_copy_out[id(store)] = rt.record(self.copy_out)
         return done
