@@ -14,6 +14,12 @@ Precisions (``PRECISIONS``):
   fp32         fp32 params, fp32 grads, fp32 states.
   bf16_master  bf16 params and grads; the optimizer keeps fp32 master weights and fp32 states.
 
+Master precisions (``MASTER_BYTES_PER_ELEMENT``, a Precision's ``master_precision``): the bytes per
+element the optimizer stores (and streams) for a master weight. The one place they are written: the
+link model, the README's table of bytes per parameter and the tests that count the engine's copies
+all take them from `master_bytes_per_element`.
+  fp32         the fp32 master, 4 bytes.
+
 State precisions of fusedoff.AdamW (``STATE_PRECISIONS``, its ``state_precision``): how the two moments
 are stored; the master weights stay fp32.
   fp32         4 bytes each.
@@ -32,6 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 FP32 = 4
+# Bytes per element of a stored master weight, by master precision (see the module docstring): a new
+# precision is one entry here, which every table and test built on this module picks up.
+MASTER_BYTES_PER_ELEMENT = {"fp32": 4}
 ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
 QUANT_BLOCK = 256  # fusedoff/kernels/codec.py: elements per fp32 scale of an 8-bit moment
 
@@ -41,7 +50,20 @@ class Precision:
     name: str
     param: int  # bytes per element of the model's parameter
     grad: int  # bytes per element of its gradient
-    master: bool  # fp32 master weights kept by the optimizer
+    master: bool  # master weights kept by the optimizer
+    master_precision: str = "fp32"  # how they are stored (MASTER_BYTES_PER_ELEMENT)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the stored master weight (0 without one)."""
+        return master_bytes_per_element(self.master_precision) if self.master else 0
+
+
+def master_bytes_per_element(master_precision: str) -> int:
+    """Bytes per element of a master weight stored in `master_precision` (MASTER_BYTES_PER_ELEMENT)."""
+    if master_precision not in MASTER_BYTES_PER_ELEMENT:
+        raise ValueError(f"master precision must be one of {tuple(MASTER_BYTES_PER_ELEMENT)}, got {master_precision!r}")
+    return MASTER_BYTES_PER_ELEMENT[master_precision]
 
 
 PRECISIONS = {
@@ -260,14 +282,47 @@ def _streamed(chunks: Sequence[int], read: Sequence[str], write: Sequence[str],
     return moved(set(read) | set(write)), moved(write)
 
 
+def _adam_stored(precision: Precision, amsgrad: bool, state: StatePrecision) -> dict[str, tuple[int, int]]:
+    """What a streamed Adam/AdamW tensor keeps in host memory: name: (bytes per value, elements per value)."""
+    _check_adam_states(amsgrad, state)
+    stored = state.moment_states()
+    if amsgrad:
+        stored["max_exp_avg_sq"] = (FP32, 1)
+    if precision.master:
+        stored["master_param"] = (precision.master_bytes, 1)
+    return stored
+
+
+def _apollo_stored(precision: Precision) -> dict[str, tuple[int, int]]:
+    stored = dict.fromkeys(("exp_avg_grad", "approx_hessian", "update"), (FP32, 1))
+    if precision.master:
+        stored["master_param"] = (precision.master_bytes, 1)
+    return stored
+
+
+def stream_host_bytes(optimizer: str, numels: Sequence[int], precision: Precision, amsgrad: bool = False,
+                      state: StatePrecision = FP32_STATES) -> int:
+    """Bytes of host memory the streamed states (and masters) of tensors of `numels` elements take: each
+    state over the flat layout, each tensor starting on a multiple of the alignment (16 elements, 256
+    with 8-bit states)."""
+    if optimizer == "apollo":
+        if state.name != "fp32" or amsgrad:
+            raise ValueError("fusedoff.Apollo keeps fp32 states only, and has no amsgrad")
+        stored = _apollo_stored(precision)
+    else:
+        stored = _adam_stored(precision, amsgrad, state)
+    align = max(ALIGN_ELEMENTS, state.block)
+    flat = sum(n for n, _ in chunk_layout(numels, align, align))
+    return sum(size * flat // block for size, block in stored.values())
+
+
 def adam_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision,
                      amsgrad: bool = False, state: StatePrecision = FP32_STATES) -> tuple[int, int]:
     """(h2d, d2h) of a streamed Adam/AdamW step: one pass, every state (and the master) in and out.
     The plan is aligned to the largest block of a state (8-bit scales: 256 elements), and the chunk size
     rounded up to a multiple of it, as the engine does (OffloadEngine.plan_chunk_size)."""
-    _check_adam_states(amsgrad, state)
-    sizes = state.moment_states()
-    states = [*sizes, *["max_exp_avg_sq"] * amsgrad, *["master_param"] * precision.master]
+    sizes = _adam_stored(precision, amsgrad, state)
+    states = list(sizes)
     align = max(ALIGN_ELEMENTS, state.block)
     layout = chunk_layout(numels, _round_up(chunk_size, align), align)
     return _streamed([n for n, _ in layout], states, states, sizes)
@@ -291,12 +346,13 @@ def apollo_stream_link(numels: Sequence[int], chunk_size: int, precision: Precis
     }
     phases = ("reduce", "moments", "finish") if APOLLO_CONFIGS[config]["weight_decay_type"] == "stable" \
         else ("reduce", "full")
+    sizes = {"master_param": (precision.master_bytes, 1)}
     layout = chunk_layout(numels, chunk_size)
     whole = [n for n, w in layout if w]
     spanning = [n for n, w in layout if not w]
-    h2d, d2h = _streamed(whole, moments + master, moments + master)
+    h2d, d2h = _streamed(whole, moments + master, moments + master, sizes)
     for phase in phases if spanning else ():
-        a, b = _streamed(spanning, *passes[phase])
+        a, b = _streamed(spanning, *passes[phase], sizes)
         h2d, d2h = h2d + a, d2h + b
     return h2d, d2h
 
