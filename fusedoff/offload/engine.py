@@ -33,7 +33,7 @@ from fusedoff.offload import placement
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.gradients import checked_flat_grads
 from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
-from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
+from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
 from fusedoff.offload.runtime import LinkBytes, Runtime
@@ -142,15 +142,37 @@ class OffloadEngine:
                 buffers = max(buffers, self.buffer_bytes_for(specs))
         return flags, buffers
 
+    def chunk_plan(self, numels: Sequence[int], specs: tuple[StateSpec, ...]) -> ChunkPlan:
+        """The host layout and chunks of a bucket with `specs` whose streamed tensors have `numels`
+        elements (0: resident)."""
+        chunk_size, align = self.plan_chunk_size(specs)
+        return ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
+
+    def predict_link(self, specs: tuple[StateSpec, ...], phases: tuple[Phase, ...], numels: Sequence[int]) -> LinkBytes:
+        """The bytes one step copies each way for a bucket with `specs` whose every tensor steps, the
+        streamed ones having `numels` elements (0: resident), by the rules `_prepare` and `_stream`
+        follow: chunks of whole tensors run every phase in one pass, the others one pass per phase
+        (unsharded tensors). A prediction, for `fusedoff.memory.predict`; a step counts its copies."""
+        plan = self.chunk_plan(numels, specs)
+        chunks = [c for c in plan.chunks if c.pieces]
+        update = FusedUpdate(phases, call=None)
+        whole, spanning = chunks, []
+        if len(phases) > 1:
+            whole = [c for c in chunks if plan.whole_tensors_only(c)]
+            spanning = [c for c in chunks if not plan.whole_tensors_only(c)]
+        by_name = {s.name: s for s in specs}
+        link = pass_link_bytes(by_name, whole, update.reads, update.writes)
+        for phase in phases if spanning else ():
+            link = link + pass_link_bytes(by_name, spanning, phase.reads, phase.writes)
+        return link
+
     def _place(self, key: tuple, params: list[Tensor], specs: tuple[StateSpec, ...], backend: str) -> Bucket:
         device = params[0].device
         if not self.budget.decided(device):
             self.budget.set(device, self.default_budget(self.runtime(device).decides_budget))
         sizes = [sum(s.nbytes(local_tensor(p).numel()) for s in specs) for p in params]
         resident = self.budget.place(device, sizes)
-        numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
-        chunk_size, align = self.plan_chunk_size(specs)
-        plan = ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
+        plan = self.chunk_plan([0 if r else local_tensor(p).numel() for p, r in zip(params, resident)], specs)
         store = pipeline = None
         rt = self.runtime(device)
         if not all(resident):

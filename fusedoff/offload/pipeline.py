@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.plan import Chunk, ChunkPlan, round_up
-from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.store import HostStateStore
 from fusedoff.offload.contract import StateSpec
 
@@ -37,6 +37,18 @@ def buffer_regions(specs: Iterable[StateSpec], chunk_size: int) -> tuple[dict[st
         offsets[spec.name] = used
         used += round_up(spec.nbytes(chunk_size), REGION_ALIGN_BYTES)
     return offsets, used
+
+
+def pass_link_bytes(specs: dict[str, StateSpec], chunks: Iterable[Chunk], read: Iterable[str],
+                    write: Iterable[str]) -> LinkBytes:
+    """The bytes one `StreamPipeline.run` over `chunks` copies each way (a prediction: `run` counts
+    what it copies): every state it reads or writes in, the written ones out, each chunk whole."""
+    read, write = set(read) | set(write), set(write)
+    link = LinkBytes()
+    for chunk in chunks:
+        link.to_device += sum(specs[name].nbytes(chunk.numel) for name in read)
+        link.to_host += sum(specs[name].nbytes(chunk.numel) for name in write)
+    return link
 
 
 class StreamPipeline:
