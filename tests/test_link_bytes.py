@@ -226,3 +226,25 @@ def test_a_step_of_some_tensors_counts_their_chunks_only():
 @pytest.mark.parametrize("name,state", CASES, ids=CASE_IDS)
 def test_cuda_step_copies_the_bytes_traffic_py_predicts(name, state, placement):
     run_and_check(name, state, torch.bfloat16, "fp32", PLACEMENTS[placement], device="cuda")
+
+
+def test_readme_table_of_bytes_per_parameter_is_traffic_pys():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    begin, end = readme.index(traffic.README_TABLE_BEGIN), readme.index(traffic.README_TABLE_END)
+    assert readme[begin:end + len(traffic.README_TABLE_END)] == traffic.bytes_per_parameter_markdown()
+
+
+def test_bytes_per_parameter_rows_by_hand():
+    """The issue's figures for AdamW on bf16 parameters, each way: fp32 states and an fp32 master 12,
+    bf16 states 8, 8-bit states 2 x (1 + 4/256) + 4; and Apollo's reduction pass copying in only."""
+    rows = {(label, state, master): figures for label, state, master, *figures in traffic.bytes_per_parameter_rows()}
+    assert rows["AdamW", "fp32", "fp32"] == [12, 12, 12, 12]
+    assert rows["AdamW", "bf16", "fp32"] == [8, 8, 8, 8]
+    assert rows["AdamW", "8bit", "fp32"] == [2 * (1 + 4 / 256) + 4] * 4
+    assert rows["AdamW", "8bit", "none"] == [2 * (1 + 4 / 256)] * 4
+    # constant + L2, fp32 master: reduce copies m, B, d and the master in (16), full all in and out (16)
+    assert rows["Apollo, constant + L2", "fp32", "fp32"] == [16, 32, 16, 16]
+    # belief + stable, no master: reduce in 12; moments in 12, m and B out 8; finish m, B in 8 + d in 4, d out 4
+    assert rows["Apollo, belief + stable", "fp32", "none"] == [12, 36, 12, 12]
+    masters = {master for _, _, master in rows}
+    assert masters == {"none", *traffic.MASTER_BYTES_PER_ELEMENT}
