@@ -248,3 +248,31 @@ def test_bytes_per_parameter_rows_by_hand():
     assert rows["Apollo, belief + stable", "fp32", "none"] == [12, 36, 12, 12]
     masters = {master for _, _, master in rows}
     assert masters == {"none", *traffic.MASTER_BYTES_PER_ELEMENT}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_parameter_written_between_steps_is_read_back_once_and_counted(placement):
+    """A streamed master follows its parameter: after an outside write the next step reads the
+    parameter to the host once (synchronously), and that copy is counted with the step's."""
+    precision = model_precision(torch.bfloat16, "fp32")
+    budget, numels = model_placement("AdamW", "fp32", precision, PLACEMENTS[placement])
+    h2d, d2h = model_link("AdamW", "fp32", precision, numels)
+    params = make_params(torch.bfloat16)
+    written = params[2]  # 300 elements: streamed in both placements
+    sims, factory = simulator()
+    gen = torch.Generator().manual_seed(1)
+    with runtimes.simulate(factory):
+        opt = make_optimizer("AdamW", "fp32", params, torch.bfloat16, "fp32", offload="stream", chunk_size=CHUNK,
+                             **({} if budget is None else dict(device_budget=budget)))
+        counted = []
+        for step in range(3):
+            give_grads(params, gen)
+            if step == 1:
+                with torch.no_grad():
+                    written.mul_(0.5)
+            opt.step()
+            counted.append(opt.memory_stats()["link_bytes_last_step"])
+    assert math.prod(written.shape) in numels
+    extra = written.numel() * written.element_size()
+    assert counted == [{"to_device": h2d, "to_host": d2h}, {"to_device": h2d, "to_host": d2h + extra},
+                       {"to_device": h2d, "to_host": d2h}]

@@ -69,6 +69,12 @@ class Runtime:
         self.link.to_host += dst.numel() * dst.element_size()
         self.copy(stream, dst, src)
 
+    def read_to_host(self, tensor: Tensor) -> Tensor:
+        """`tensor` copied to host memory now, synchronously (a parameter written from outside the
+        step, read to set its streamed master), counted in `link`."""
+        self.link.to_host += tensor.numel() * tensor.element_size()
+        return tensor.to("cpu")
+
     # streams and events
     def new_stream(self):
         """A new side stream."""
