@@ -18,6 +18,10 @@ Data-flow terms used by the simulator: the *host* is the Python thread (it reads
 memory directly); *main* is the stream the user's kernels run on (the current stream: backward
 writes gradients there, the next forward reads parameters there). `host_access` and `main_access`
 tell the runtime about such accesses; only the simulator records them.
+
+Every byte the engine moves between host memory and a device goes through the base class's counted
+copies (`copy_to_device`, `copy_to_host`, `read_to_host`), so each runtime counts alike what it
+copies each way in `link`; `memory_stats()` reports it (per step, in total, per parameter).
 """
 
 from __future__ import annotations
