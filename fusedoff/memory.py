@@ -39,7 +39,8 @@ from fusedoff.offload.engine import OffloadEngine
 from fusedoff.offload.plan import round_up
 from fusedoff.offload.runtime import LinkBytes
 from fusedoff.offload.contract import StateSpec, state_specs
-from fusedoff.optim.adam import _check_precision, adam_state_specs
+from fusedoff.optim.adam import Adam, AdamW, _check_precision, adam_state_specs
+from fusedoff.optim.apollo import Apollo
 from fusedoff.optim.base import MASTER, keeps_master
 
 PARAMETERS = "parameters"
@@ -209,9 +210,7 @@ def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool
 def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dict) -> Callable:
     """names -> the phases the optimizer class declares for a bucket keeping states `names` (its own
     `_fused_update`, asked of an instance on a meta tensor: nothing is allocated)."""
-    import fusedoff  # the classes import this module's package: imported when asked
-
-    cls = {"adamw": fusedoff.AdamW, "adam": fusedoff.Adam, "apollo": fusedoff.Apollo}[optimizer]
+    cls = {"adamw": AdamW, "adam": Adam, "apollo": Apollo}[optimizer]
     if optimizer != "apollo":
         options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
     opt = cls([torch.empty(1, device="meta")], **{"lr": 1e-3, **options})
@@ -266,7 +265,9 @@ def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
     device: resident states and masters, and its streaming buffers) those plus the buffers;
     ``streamed_params`` the predicted parameter elements in host memory; and after a step in which
     every streamed parameter had a gradient, ``link_bytes_last_step`` (the bytes the step's copies
-    moved, counted) the predicted bytes each way. Call it after the first step (states are lazy).
+    moved, counted) the predicted bytes each way (a step that first reads back parameters written
+    from outside, or whose masters were loaded, moves those bytes more to the host). Call it after
+    the first step (states are lazy).
     """
     problems = []
     if stats["host_bytes"] != prediction.host_total:

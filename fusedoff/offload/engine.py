@@ -542,7 +542,8 @@ class OffloadEngine:
             "host_pinned": bool(stores) and all(s.pinned for s in stores),
             "resident_bytes": self.resident_bytes,
             "streamed_bytes": host_bytes,
-            # Per parameter element whose states stream (padding to the host store's alignment included).
+            # The parameter elements whose states stream, and the host bytes (the store's alignment
+            # padding included) per such element.
             "streamed_params": streamed,
             "host_bytes_per_param": host_bytes / streamed if streamed else None,
             # What the copies of the last step() moved, each way, counted as they were issued (none
