@@ -293,7 +293,14 @@ def _adam_stored(precision: Precision, amsgrad: bool, state: StatePrecision) -> 
     return stored
 
 
-def _apollo_stored(precision: Precision) -> dict[str, tuple[int, int]]:
+def stored_states(optimizer: str, precision: Precision, amsgrad: bool = False,
+                  state: StatePrecision = FP32_STATES) -> dict[str, tuple[int, int]]:
+    """What one tensor keeps (`optimizer`: "adamw", "adam" or "apollo"): name: (bytes per value,
+    elements per value), its master included."""
+    if optimizer != "apollo":
+        return _adam_stored(precision, amsgrad, state)
+    if state.name != "fp32" or amsgrad:
+        raise ValueError("fusedoff.Apollo keeps fp32 states only, and has no amsgrad")
     stored = dict.fromkeys(("exp_avg_grad", "approx_hessian", "update"), (FP32, 1))
     if precision.master:
         stored["master_param"] = (precision.master_bytes, 1)
@@ -305,12 +312,7 @@ def stream_host_bytes(optimizer: str, numels: Sequence[int], precision: Precisio
     """Bytes of host memory the streamed states (and masters) of tensors of `numels` elements take: each
     state over the flat layout, each tensor starting on a multiple of the alignment (16 elements, 256
     with 8-bit states)."""
-    if optimizer == "apollo":
-        if state.name != "fp32" or amsgrad:
-            raise ValueError("fusedoff.Apollo keeps fp32 states only, and has no amsgrad")
-        stored = _apollo_stored(precision)
-    else:
-        stored = _adam_stored(precision, amsgrad, state)
+    stored = stored_states(optimizer, precision, amsgrad, state)
     align = max(ALIGN_ELEMENTS, state.block)
     flat = sum(n for n, _ in chunk_layout(numels, align, align))
     return sum(size * flat // block for size, block in stored.values())

@@ -78,23 +78,13 @@ def model_precision(dtype, master) -> traffic.Precision:
                              master_precision=master or "fp32")
 
 
-def model_stored(name, state, precision) -> dict[str, tuple[int, int]]:
-    """The states a tensor keeps, by the model: name: (bytes per value, elements per value)."""
-    _, _, config, amsgrad = OPTIMIZERS[name]
-    stored = dict.fromkeys(("exp_avg_grad", "approx_hessian", "update"), (4, 1)) if config else \
-        traffic.STATE_PRECISIONS[state].moment_states()
-    if amsgrad:
-        stored["max_exp_avg_sq"] = (4, 1)
-    if precision.master:
-        stored["master_param"] = (precision.master_bytes, 1)
-    return stored
-
-
 def model_placement(name, state, precision, fraction) -> tuple[int | None, list[int]]:
     """The device budget for `fraction` of every tensor's state bytes (None: no budget), and the element
     counts of the tensors whose states stream: each tensor's states (and master) stay on the device
     while they fit in what is left of the budget, in order."""
-    stored = model_stored(name, state, precision).values()
+    _, _, config, amsgrad = OPTIMIZERS[name]
+    stored = traffic.stored_states("apollo" if config else "adamw", precision, amsgrad,
+                                   traffic.STATE_PRECISIONS[state]).values()
     sizes = [sum(nbytes * -(-math.prod(shape) // block) for nbytes, block in stored) for shape in SHAPES]
     budget = None if fraction is None else int(fraction * sum(sizes))
     streamed, left = [], budget
