@@ -444,7 +444,8 @@ def bytes_per_parameter_rows(chunk_size: int = 2**22) -> list[tuple[str, str, st
     spanning, whole = [4 * chunk_size], [chunk_size // 2] * 8  # a tensor over 4 chunks; 2 tensors per chunk
     masters = [None, *MASTER_BYTES_PER_ELEMENT]
     rows = []
-    for label, config, states in [("AdamW", None, list(STATE_PRECISIONS)), ("Apollo, constant + L2", "constant_L2", ["fp32"]),
+    for label, config, states in [("AdamW", None, list(STATE_PRECISIONS)),
+                                  ("Apollo, constant + L2", "constant_L2", ["fp32"]),
                                   ("Apollo, belief + stable", "belief_stable", ["fp32"])]:
         for state in states:
             for master in masters:

@@ -280,7 +280,8 @@ def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
         problems.append(f"device_bytes {stats['device_bytes']} != predicted {expected}")
     if stats["streamed_params"] != prediction.streamed_params:
         problems.append(f"streamed_params {stats['streamed_params']} != predicted {prediction.streamed_params}")
-    elif stats["streamed_params_last_step"] == stats["streamed_params"] and stats["link_bytes_last_step"] != prediction.link:
+    elif (stats["streamed_params_last_step"] == stats["streamed_params"]
+          and stats["link_bytes_last_step"] != prediction.link):
         problems.append(f"link_bytes_last_step {stats['link_bytes_last_step']} != predicted {prediction.link}")
     return problems
 

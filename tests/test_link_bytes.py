@@ -43,7 +43,8 @@ OPTIMIZERS = {
 }
 # Parameter dtype and master precision (None: no master weights; fp32 parameters never keep one).
 MASTERS = [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
-           *((dtype, master) for master in traffic.MASTER_BYTES_PER_ELEMENT for dtype in (torch.bfloat16, torch.float16))]
+           *((dtype, master) for master in traffic.MASTER_BYTES_PER_ELEMENT
+             for dtype in (torch.bfloat16, torch.float16))]
 MASTER_IDS = [f"{str(dtype).removeprefix('torch.')}-{master or 'no'}-master" for dtype, master in MASTERS]
 CASES = [(name, state) for name, (_, _, config, amsgrad) in OPTIMIZERS.items()
          for state in (("fp32",) if config or amsgrad else tuple(traffic.STATE_PRECISIONS))]
