@@ -14,6 +14,12 @@ Precisions (``PRECISIONS``):
   fp32         fp32 params, fp32 grads, fp32 states.
   bf16_master  bf16 params and grads; the optimizer keeps fp32 master weights and fp32 states.
 
+Master precisions (``MASTER_BYTES_PER_ELEMENT``, a Precision's ``master_precision``): the bytes per
+element the optimizer stores (and streams) for a master weight. The one place they are written: the
+link model, the README's table of bytes per parameter and the tests that count the engine's copies
+all take them from `master_bytes_per_element`.
+  fp32         the fp32 master, 4 bytes.
+
 State precisions of fusedoff.AdamW (``STATE_PRECISIONS``, its ``state_precision``): how the two moments
 are stored; the master weights stay fp32.
   fp32         4 bytes each.
@@ -32,6 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 FP32 = 4
+# Bytes per element of a stored master weight, by master precision (see the module docstring): a new
+# precision is one entry here, which every table and test built on this module picks up.
+MASTER_BYTES_PER_ELEMENT = {"fp32": 4}
 ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
 QUANT_BLOCK = 256  # fusedoff/kernels/codec.py: elements per fp32 scale of an 8-bit moment
 
@@ -41,7 +50,20 @@ class Precision:
     name: str
     param: int  # bytes per element of the model's parameter
     grad: int  # bytes per element of its gradient
-    master: bool  # fp32 master weights kept by the optimizer
+    master: bool  # master weights kept by the optimizer
+    master_precision: str = "fp32"  # how they are stored (MASTER_BYTES_PER_ELEMENT)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the stored master weight (0 without one)."""
+        return master_bytes_per_element(self.master_precision) if self.master else 0
+
+
+def master_bytes_per_element(master_precision: str) -> int:
+    """Bytes per element of a master weight stored in `master_precision` (MASTER_BYTES_PER_ELEMENT)."""
+    if master_precision not in MASTER_BYTES_PER_ELEMENT:
+        raise ValueError(f"master precision must be one of {tuple(MASTER_BYTES_PER_ELEMENT)}, got {master_precision!r}")
+    return MASTER_BYTES_PER_ELEMENT[master_precision]
 
 
 PRECISIONS = {
@@ -260,14 +282,49 @@ def _streamed(chunks: Sequence[int], read: Sequence[str], write: Sequence[str],
     return moved(set(read) | set(write)), moved(write)
 
 
+def _adam_stored(precision: Precision, amsgrad: bool, state: StatePrecision) -> dict[str, tuple[int, int]]:
+    """What a streamed Adam/AdamW tensor keeps in host memory: name: (bytes per value, elements per value)."""
+    _check_adam_states(amsgrad, state)
+    stored = state.moment_states()
+    if amsgrad:
+        stored["max_exp_avg_sq"] = (FP32, 1)
+    if precision.master:
+        stored["master_param"] = (precision.master_bytes, 1)
+    return stored
+
+
+def stored_states(optimizer: str, precision: Precision, amsgrad: bool = False,
+                  state: StatePrecision = FP32_STATES) -> dict[str, tuple[int, int]]:
+    """What one tensor keeps (`optimizer`: "adamw", "adam" or "apollo"): name: (bytes per value,
+    elements per value), its master included."""
+    if optimizer != "apollo":
+        return _adam_stored(precision, amsgrad, state)
+    if state.name != "fp32" or amsgrad:
+        raise ValueError("fusedoff.Apollo keeps fp32 states only, and has no amsgrad")
+    stored = dict.fromkeys(("exp_avg_grad", "approx_hessian", "update"), (FP32, 1))
+    if precision.master:
+        stored["master_param"] = (precision.master_bytes, 1)
+    return stored
+
+
+def stream_host_bytes(optimizer: str, numels: Sequence[int], precision: Precision, amsgrad: bool = False,
+                      state: StatePrecision = FP32_STATES) -> int:
+    """Bytes of host memory the streamed states (and masters) of tensors of `numels` elements take: each
+    state over the flat layout, each tensor starting on a multiple of the alignment (16 elements, 256
+    with 8-bit states)."""
+    stored = stored_states(optimizer, precision, amsgrad, state)
+    align = max(ALIGN_ELEMENTS, state.block)
+    flat = sum(n for n, _ in chunk_layout(numels, align, align))
+    return sum(size * flat // block for size, block in stored.values())
+
+
 def adam_stream_link(numels: Sequence[int], chunk_size: int, precision: Precision,
                      amsgrad: bool = False, state: StatePrecision = FP32_STATES) -> tuple[int, int]:
     """(h2d, d2h) of a streamed Adam/AdamW step: one pass, every state (and the master) in and out.
     The plan is aligned to the largest block of a state (8-bit scales: 256 elements), and the chunk size
     rounded up to a multiple of it, as the engine does (OffloadEngine.plan_chunk_size)."""
-    _check_adam_states(amsgrad, state)
-    sizes = state.moment_states()
-    states = [*sizes, *["max_exp_avg_sq"] * amsgrad, *["master_param"] * precision.master]
+    sizes = _adam_stored(precision, amsgrad, state)
+    states = list(sizes)
     align = max(ALIGN_ELEMENTS, state.block)
     layout = chunk_layout(numels, _round_up(chunk_size, align), align)
     return _streamed([n for n, _ in layout], states, states, sizes)
@@ -291,12 +348,13 @@ def apollo_stream_link(numels: Sequence[int], chunk_size: int, precision: Precis
     }
     phases = ("reduce", "moments", "finish") if APOLLO_CONFIGS[config]["weight_decay_type"] == "stable" \
         else ("reduce", "full")
+    sizes = {"master_param": (precision.master_bytes, 1)}
     layout = chunk_layout(numels, chunk_size)
     whole = [n for n, w in layout if w]
     spanning = [n for n, w in layout if not w]
-    h2d, d2h = _streamed(whole, moments + master, moments + master)
+    h2d, d2h = _streamed(whole, moments + master, moments + master, sizes)
     for phase in phases if spanning else ():
-        a, b = _streamed(spanning, *passes[phase])
+        a, b = _streamed(spanning, *passes[phase], sizes)
         h2d, d2h = h2d + a, d2h + b
     return h2d, d2h
 
@@ -366,3 +424,59 @@ def peer_traffic(peer: str, precision: Precision, numel: int, device: str) -> Tr
         return Traffic(memory=apollo_update_bytes(APOLLO_EAGER_OPS["constant_L2"]) * numel,
                        where="device" if device == "cuda" else "host")
     raise ValueError(f"unknown peer {peer!r}")
+
+
+# ---- bytes per parameter: the README's table --------------------------------------------------------------
+
+README_TABLE_BEGIN = "<!-- bytes per parameter: generated by `python benchmarks/traffic.py`; do not edit -->"
+README_TABLE_END = "<!-- end of the generated table -->"
+
+
+def _per_element(value: float) -> str:
+    return f"{value:g}" if value == int(value) else f"{value:.2f}"
+
+
+def bytes_per_parameter_rows(chunk_size: int = 2**22) -> list[tuple[str, str, str, float, float, float, float]]:
+    """Per parameter element of a bf16 model whose states all stream: (optimizer, state precision, master,
+    host bytes, bytes to the device and to the host per step for tensors spanning chunks, bytes to the
+    device per step in chunks of whole tensors). Tensors are multiples of 256 elements (no padding);
+    masters: none, and each of MASTER_BYTES_PER_ELEMENT."""
+    spanning, whole = [4 * chunk_size], [chunk_size // 2] * 8  # a tensor over 4 chunks; 2 tensors per chunk
+    masters = [None, *MASTER_BYTES_PER_ELEMENT]
+    rows = []
+    for label, config, states in [("AdamW", None, list(STATE_PRECISIONS)),
+                                  ("Apollo, constant + L2", "constant_L2", ["fp32"]),
+                                  ("Apollo, belief + stable", "belief_stable", ["fp32"])]:
+        for state in states:
+            for master in masters:
+                precision = Precision("bf16", param=2, grad=2, master=master is not None,
+                                      master_precision=master or "fp32")
+                if config is None:
+                    def link(numels):
+                        return adam_stream_link(numels, chunk_size, precision, state=STATE_PRECISIONS[state])
+                else:
+                    def link(numels):
+                        return apollo_stream_link(numels, chunk_size, precision, config)
+                n = sum(spanning)
+                host = stream_host_bytes("apollo" if config else "adamw", spanning, precision,
+                                         state=STATE_PRECISIONS[state]) / n
+                (h2d, d2h), (whole_h2d, _) = link(spanning), link(whole)
+                rows.append((label, state, master or "none", host, h2d / n, d2h / n, whole_h2d / sum(whole)))
+    return rows
+
+
+def bytes_per_parameter_markdown() -> str:
+    """The README's table of bytes per parameter (see `bytes_per_parameter_rows`), between its markers."""
+    lines = [README_TABLE_BEGIN,
+             "| optimizer (bf16 parameters) | `state_precision` | master | host memory | to the device, per step "
+             "| to the host, per step |",
+             "|---|---|---|---|---|---|"]
+    for label, state, master, host, h2d, d2h, whole_h2d in bytes_per_parameter_rows():
+        to_device = _per_element(h2d) if whole_h2d == h2d else \
+            f"{_per_element(h2d)} ({_per_element(whole_h2d)} in chunks of whole tensors)"
+        lines.append(f"| {label} | {state} | {master} | {_per_element(host)} | {to_device} | {_per_element(d2h)} |")
+    return "\n".join([*lines, README_TABLE_END])
+
+
+if __name__ == "__main__":
+    print(bytes_per_parameter_markdown())

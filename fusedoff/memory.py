@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -37,8 +37,10 @@ from torch import Tensor, nn
 
 from fusedoff.offload.engine import OffloadEngine
 from fusedoff.offload.plan import round_up
+from fusedoff.offload.runtime import LinkBytes
 from fusedoff.offload.contract import StateSpec, state_specs
-from fusedoff.optim.adam import _check_precision, adam_state_specs
+from fusedoff.optim.adam import Adam, AdamW, _check_precision, adam_state_specs
+from fusedoff.optim.apollo import Apollo
 from fusedoff.optim.base import MASTER, keeps_master
 
 PARAMETERS = "parameters"
@@ -77,10 +79,26 @@ class MemoryPrediction:
     device: dict[str, int]
     host: dict[str, int]
     state_precision: str | None = None  # how fusedoff stores the moments (None: another setup)
+    # fusedoff streamed: the parameter elements whose states live in host memory, and the bytes a
+    # step in which every parameter has a gradient copies each way ({"to_device": ..., "to_host": ...}).
+    streamed_params: int = 0
+    link: dict[str, int] = field(default_factory=lambda: {"to_device": 0, "to_host": 0})
 
     @property
     def device_total(self) -> int:
         return sum(self.device.values())
+
+    @property
+    def host_bytes_per_param(self) -> float | None:
+        """Host bytes per streamed parameter element (None: nothing streams), as memory_stats() says."""
+        return self.host_total / self.streamed_params if self.streamed_params else None
+
+    @property
+    def link_bytes_per_param(self) -> dict[str, float] | None:
+        """Bytes a step copies each way per streamed parameter element (None: nothing streams)."""
+        if not self.streamed_params:
+            return None
+        return {way: nbytes / self.streamed_params for way, nbytes in self.link.items()}
 
     @property
     def host_total(self) -> int:
@@ -111,7 +129,7 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
             amsgrad: bool = False, grad_dtype: torch.dtype | None = None, master_weights: bool | None = None,
             offload: str = "auto", chunk_size: int | None = None, num_buffers: int = 2,
             device_budget: int | None = None, device: torch.device | str | None = None,
-            state_precision: str = "fp32", label: str | None = None) -> MemoryPrediction:
+            state_precision: str = "fp32", options: dict | None = None, label: str | None = None) -> MemoryPrediction:
     """Predicted bytes by component for training `params` with `optimizer` in `setup`.
 
     setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
@@ -124,6 +142,8 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
     state_precision: fusedoff's storage of the moments, as passed to fusedoff.AdamW/Adam (``"fp32"``,
         ``"bf16"``, ``"8bit"``: one byte each and an fp32 scale per block of 256); fusedoff only
         (the other setups keep theirs as said above), and Apollo keeps fp32 states only.
+    options: the optimizer's other arguments that decide which states a streamed step moves (Apollo's
+        ``weight_decay``, ``rebound``, ``weight_decay_type``; default: the class's defaults).
     grad_dtype: the gradients' dtype; None means each parameter's own.
     device: where the parameters train (default: where they are), so that meta tensors can stand
         for them.
@@ -152,7 +172,7 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
     on_device[PARAMETERS] = _bytes(params)
     on_device[GRADIENTS] = _bytes(params, grad_dtype)
 
-    streams = False
+    streams, streamed, link = False, 0, LinkBytes()
     if setup == "plain":
         on_device[STATES] = num_states * _bytes(params)
     elif setup == "upcast":
@@ -160,14 +180,16 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         on_device[MASTERS] = _bytes(params, fp32)
         on_device[FP32_GRADS] = _bytes(params, fp32)
     else:
-        streams = _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type,
-                                    chunk_size, num_buffers, device_budget)
+        streams, streamed, link = _predict_fusedoff(params, on_device, host, specs, master_weights, offload,
+                                                    device_type, chunk_size, num_buffers, device_budget,
+                                                    _phases_of(optimizer, amsgrad, state_precision, options or {}))
     if label is None:
         label = {"fusedoff": "fusedoff " + ("stream" if streams else "none"), "plain": "plain",
                  "upcast": "fp32 upcast"}[setup]
         if state_precision != "fp32":
             label += f" {state_precision}"
-    return MemoryPrediction(label, device_type, on_device, host, state_precision if setup == "fusedoff" else None)
+    return MemoryPrediction(label, device_type, on_device, host, state_precision if setup == "fusedoff" else None,
+                            streamed, link.as_dict())
 
 
 def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool) -> tuple[StateSpec, ...]:
@@ -185,11 +207,23 @@ def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool
     return adam_state_specs(state_precision, amsgrad)
 
 
+def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dict) -> Callable:
+    """names -> the phases the optimizer class declares for a bucket keeping states `names` (its own
+    `_fused_update`, asked of an instance on a meta tensor: nothing is allocated)."""
+    cls = {"adamw": AdamW, "adam": Adam, "apollo": Apollo}[optimizer]
+    if optimizer != "apollo":
+        options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
+    opt = cls([torch.empty(1, device="meta")], **{"lr": 1e-3, **options})
+    group = opt.param_groups[0]
+    return lambda names: opt._fused_update(group, "torch", None, None, names, []).phases
+
+
 def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type, chunk_size,
-                      num_buffers, device_budget) -> bool:
+                      num_buffers, device_budget, phases_of) -> tuple[bool, int, LinkBytes]:
     """Fills `on_device` and `host` as the engine places states (OffloadEngine.predict_placement):
     buckets of one dtype and master setting in the order they first appear, each tensor's states
-    and master resident while they fit in the budget. True if anything streams."""
+    and master resident while they fit in the budget. Returns whether anything streams, the
+    parameter elements that do, and the bytes a step copies (OffloadEngine.predict_link)."""
     engine = OffloadEngine(offload, chunk_size, num_buffers, device_budget)  # constructing one allocates nothing
     # offload='auto' on a GPU without a budget decides one from the device's memory at the first
     # step: predicted as if everything fits.
@@ -201,7 +235,12 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, d
     kept = [specs + ((MASTER,) if master else ()) for _, master in buckets]
     flags, buffers = engine.predict_placement([(k, [p.numel() for p in members])
                                                for k, members in zip(kept, buckets.values())], budget)
+    streamed, link = 0, LinkBytes()
     for bucket_specs, members, resident in zip(kept, buckets.values(), flags):
+        numels = [0 if fits else p.numel() for p, fits in zip(members, resident)]
+        streamed += sum(numels)
+        if any(numels):
+            link = link + engine.predict_link(bucket_specs, phases_of(tuple(s.name for s in bucket_specs)), numels)
         masters = bucket_specs[len(specs):]
         _, align = engine.plan_chunk_size(bucket_specs)
         for p, fits in zip(members, resident):
@@ -215,7 +254,7 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, d
                 host[HOST_STATES] += sum(s.nbytes(padded) for s in specs)
                 host[HOST_MASTERS] += sum(s.nbytes(padded) for s in masters)
     on_device[BUFFERS] = buffers
-    return bool(buffers)
+    return bool(buffers), streamed, link
 
 
 def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
@@ -223,8 +262,12 @@ def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
 
     ``host_bytes`` must equal the predicted host bytes, ``resident_bytes`` the predicted states and
     masters on the device, and ``device_bytes`` (what the optimizer holds on the parameters'
-    device: resident states and masters, and its streaming buffers) those plus the buffers. Call it
-    after the first step (states are lazy).
+    device: resident states and masters, and its streaming buffers) those plus the buffers;
+    ``streamed_params`` the predicted parameter elements in host memory; and after a step in which
+    every streamed parameter had a gradient, ``link_bytes_last_step`` (the bytes the step's copies
+    moved, counted) the predicted bytes each way (a step that first reads back parameters written
+    from outside, or whose masters were loaded, moves those bytes more to the host). Call it after
+    the first step (states are lazy).
     """
     problems = []
     if stats["host_bytes"] != prediction.host_total:
@@ -235,6 +278,11 @@ def check_memory_stats(prediction: MemoryPrediction, stats: dict) -> list[str]:
     expected = resident + prediction.device[BUFFERS]
     if stats["device_bytes"] != expected:
         problems.append(f"device_bytes {stats['device_bytes']} != predicted {expected}")
+    if stats["streamed_params"] != prediction.streamed_params:
+        problems.append(f"streamed_params {stats['streamed_params']} != predicted {prediction.streamed_params}")
+    elif (stats["streamed_params_last_step"] == stats["streamed_params"]
+          and stats["link_bytes_last_step"] != prediction.link):
+        problems.append(f"link_bytes_last_step {stats['link_bytes_last_step']} != predicted {prediction.link}")
     return problems
 
 

@@ -80,6 +80,12 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, 
     buffers = [buffer_set for pipeline in opt._engine.pipelines.values() for buffer_set in pipeline.buffers]
     assert len(buffers) == 3 and got.device[memory.BUFFERS] == nbytes(buffers)
     assert got.device[memory.STATES] == got.device[memory.MASTERS] == 0
+    # Per parameter: the slabs' bytes over every element (all stream), and each way what the step counted.
+    elements = sum(p.numel() for p in params)
+    assert got.streamed_params == stats["streamed_params"] == elements
+    assert got.host_bytes_per_param == stats["host_bytes_per_param"] == nbytes(slab for _, slab in slabs) / elements
+    assert got.link == stats["link_bytes_last_step"] and got.link["to_device"] > 0
+    assert got.link_bytes_per_param == stats["link_bytes_per_param_last_step"]
 
 
 def test_check_memory_stats_reports_a_difference():
@@ -88,8 +94,8 @@ def test_check_memory_stats_reports_a_difference():
     opt.step()
     amsgrad = memory.predict(params, offload="stream", chunk_size=256, amsgrad=True)  # one state too many
     problems = memory.check_memory_stats(amsgrad, opt.memory_stats())
-    # A third state in the host store and in every buffer set.
-    assert [p.split()[0] for p in problems] == ["host_bytes", "device_bytes"]
+    # A third state in the host store, in every buffer set, and moved each way at every step.
+    assert [p.split()[0] for p in problems] == ["host_bytes", "device_bytes", "link_bytes_last_step"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -113,6 +119,43 @@ def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(ki
                                              for layout in opt._engine.buckets.values() if layout.store is not None
                                              for slabs in layout.store.slabs.values() for slab in slabs))
     assert stats["resident_bytes"] == by_hand
+    streamed = [p for p in params if any(opt.state[p]["exp_avg" if kind != "apollo" else "update"].untyped_storage()
+                                         .data_ptr() == slab.untyped_storage().data_ptr()
+                                         for layout in opt._engine.buckets.values() if layout.store is not None
+                                         for slab in layout.store.slabs["exp_avg" if kind != "apollo" else "update"])]
+    assert 0 < len(streamed) < len(params)
+    assert got.streamed_params == stats["streamed_params"] == sum(p.numel() for p in streamed)
+    assert got.host_bytes_per_param == stats["host_bytes_per_param"] == stats["host_bytes"] / got.streamed_params
+    assert got.link == stats["link_bytes_last_step"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("apollo", [dict(weight_decay=0.01, rebound="constant", weight_decay_type="L2"),
+                                    dict(weight_decay=0.01, rebound="belief", weight_decay_type="stable"),
+                                    dict()], ids=["constant-L2", "belief-stable", "defaults"])
+def test_apollo_prediction_moves_what_its_phases_declare(apollo, dtype):
+    """Apollo's streamed step moves, per phase, the states that phase declares: the prediction asks the
+    class for its phases under `options`, and agrees with the copies the step counted, tensors spanning
+    chunks (a pass per phase) and chunks of whole tensors (one pass) alike."""
+    params = make_params(dtype)
+    options = dict(offload="stream", chunk_size=64)
+    opt = fusedoff.Apollo(params, lr=0.01, **apollo, **options)
+    opt.step()
+    got = memory.predict(params, optimizer="apollo", options=apollo, **options)
+    stats = opt.memory_stats()
+    assert memory.check_memory_stats(got, stats) == []
+    assert got.link == stats["link_bytes_last_step"]
+    # More comes in than goes out: the reduce phase copies the states in and nothing back.
+    assert got.link["to_device"] > got.link["to_host"] > 0
+
+
+def test_check_memory_stats_reports_link_bytes_that_differ():
+    params = make_params(torch.bfloat16)
+    options = dict(offload="stream", chunk_size=64)
+    opt = fusedoff.Apollo(params, lr=0.01, weight_decay=0.01, rebound="belief", weight_decay_type="stable", **options)
+    opt.step()
+    defaults = memory.predict(params, optimizer="apollo", **options)  # no decay: other phases, fewer bytes
+    assert [p.split()[0] for p in memory.check_memory_stats(defaults, opt.memory_stats())] == ["link_bytes_last_step"]
 
 
 def test_streamed_8bit_states_by_hand_two_buckets_share_the_largest_buffer_set():

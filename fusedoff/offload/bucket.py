@@ -197,7 +197,7 @@ class Bucket:
             return
         self.before_host_write()  # the previous step's copies back have landed
         self.runtime.host_access([master], write=False, what=f"{name} of tensor {t} compared with its parameter")
-        on_host = local.to("cpu")  # a parameter on the device: one synchronous copy, at a write only
+        on_host = self.runtime.read_to_host(local)  # a parameter on the device: one synchronous copy, at a write only
         if not torch.equal(param_of_master(master, local.dtype).view(bits), on_host.view(bits)):
             self.runtime.host_access([master], write=True, what=f"{name} of tensor {t} taken from its parameter")
             master.copy_(on_host)

@@ -33,10 +33,10 @@ from fusedoff.offload import placement
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.gradients import checked_flat_grads
 from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
-from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
+from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
-from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
 from fusedoff.sharding import is_dtensor, local_tensor
@@ -79,6 +79,11 @@ class OffloadEngine:
         self.runtimes: dict[torch.device, Runtime] = {}
         self.pipelines: dict[torch.device, StreamPipeline] = {}
         self._device_peak = 0
+        # Bytes copied each way: by runtimes this engine no longer holds (an engine placed afresh keeps
+        # its predecessor's count), and by the last step; parameter elements streamed in that step.
+        self._link_before = LinkBytes()
+        self._link_last_step = LinkBytes()
+        self._streamed_last_step = 0
         self._host_pending = False
         self.forward_order: dict[int, int] | None = None  # see overlap()
         self._waits: dict = {}  # wait_for's chunks per parameter set
@@ -137,15 +142,37 @@ class OffloadEngine:
                 buffers = max(buffers, self.buffer_bytes_for(specs))
         return flags, buffers
 
+    def chunk_plan(self, numels: Sequence[int], specs: tuple[StateSpec, ...]) -> ChunkPlan:
+        """The host layout and chunks of a bucket with `specs` whose streamed tensors have `numels`
+        elements (0: resident)."""
+        chunk_size, align = self.plan_chunk_size(specs)
+        return ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
+
+    def predict_link(self, specs: tuple[StateSpec, ...], phases: tuple[Phase, ...], numels: Sequence[int]) -> LinkBytes:
+        """The bytes one step copies each way for a bucket with `specs` whose every tensor steps, the
+        streamed ones having `numels` elements (0: resident), by the rules `_prepare` and `_stream`
+        follow: chunks of whole tensors run every phase in one pass, the others one pass per phase
+        (unsharded tensors). A prediction, for `fusedoff.memory.predict`; a step counts its copies."""
+        plan = self.chunk_plan(numels, specs)
+        chunks = [c for c in plan.chunks if c.pieces]
+        update = FusedUpdate(phases, call=None)
+        whole, spanning = chunks, []
+        if len(phases) > 1:
+            whole = [c for c in chunks if plan.whole_tensors_only(c)]
+            spanning = [c for c in chunks if not plan.whole_tensors_only(c)]
+        by_name = {s.name: s for s in specs}
+        link = pass_link_bytes(by_name, whole, update.reads, update.writes)
+        for phase in phases if spanning else ():
+            link = link + pass_link_bytes(by_name, spanning, phase.reads, phase.writes)
+        return link
+
     def _place(self, key: tuple, params: list[Tensor], specs: tuple[StateSpec, ...], backend: str) -> Bucket:
         device = params[0].device
         if not self.budget.decided(device):
             self.budget.set(device, self.default_budget(self.runtime(device).decides_budget))
         sizes = [sum(s.nbytes(local_tensor(p).numel()) for s in specs) for p in params]
         resident = self.budget.place(device, sizes)
-        numels = [0 if r else local_tensor(p).numel() for p, r in zip(params, resident)]
-        chunk_size, align = self.plan_chunk_size(specs)
-        plan = ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
+        plan = self.chunk_plan([0 if r else local_tensor(p).numel() for p, r in zip(params, resident)], specs)
         store = pipeline = None
         rt = self.runtime(device)
         if not all(resident):
@@ -223,6 +250,8 @@ class OffloadEngine:
         state, step count or parameter changes."""
         if self.forward_order is not None:  # the previous step's chunks: done before this one counts steps
             self.join()
+        link_before = self.link_total
+        self._link_last_step, self._streamed_last_step = LinkBytes(), 0
         self._forget_groups_from(len(groups))
         if self.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
@@ -270,6 +299,8 @@ class OffloadEngine:
             self._run_in_forward_order(runs)
         for run in runs:
             run.bucket.remember_params(run.stepping)
+        self._link_last_step = self.link_total - link_before
+        self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
 
     # ---- overlap with the next forward -------------------------------------------------------------
     def overlap(self, forward_order: dict[int, int] | None) -> None:
@@ -421,8 +452,10 @@ class OffloadEngine:
         # main stream runs from now on can see the old buckets' chunks unfinished)
         forward_order = self.forward_order
         peak = max(self._device_peak, self.device_bytes)
+        link_counts = self.link_counts()
         self.__init__(**self.config(decided={}))
         self._device_peak = peak  # the most the optimizer has held, over its whole life
+        self.carry_link_counts(link_counts)
         self.forward_order = forward_order
         for index, group in enumerate(groups):
             for key, (params, _) in self._members(index, group, rules).items():
@@ -459,6 +492,24 @@ class OffloadEngine:
                 bucket.runtime.host_access([s for slabs in bucket.store.slabs.values() for s in slabs], write=False,
                                            what="host state read after wait_host")
 
+    # ---- bytes over the link -----------------------------------------------------------------------
+    @property
+    def link_total(self) -> LinkBytes:
+        """Every byte copied between host memory and the devices, each way, over the optimizer's life."""
+        total = self._link_before
+        for rt in self.runtimes.values():
+            total = total + rt.link
+        return total
+
+    def link_counts(self) -> tuple[LinkBytes, LinkBytes, int]:
+        """(bytes over the optimizer's life, bytes of the last step, elements streamed in it)."""
+        return self.link_total, self._link_last_step, self._streamed_last_step
+
+    def carry_link_counts(self, counts: tuple[LinkBytes, LinkBytes, int]) -> None:
+        """A fresh engine (no runtime yet: states placed afresh) keeps the `link_counts()` of the one
+        it replaces."""
+        self._link_before, self._link_last_step, self._streamed_last_step = counts
+
     # ---- memory ----------------------------------------------------------------------------------
     @property
     def buffer_bytes(self) -> int:
@@ -483,11 +534,25 @@ class OffloadEngine:
         self._device_peak = max(self._device_peak, self.device_bytes)
         stores = [bucket.store for bucket in self.buckets.values() if bucket.store is not None]
         limits = list(self.budget.limits.values())
+        host_bytes = sum(s.nbytes for s in stores)
+        streamed = sum(sum(s.plan.numels) for s in stores)
+        last = self._link_last_step
         return {
-            "host_bytes": sum(s.nbytes for s in stores),
+            "host_bytes": host_bytes,
             "host_pinned": bool(stores) and all(s.pinned for s in stores),
             "resident_bytes": self.resident_bytes,
-            "streamed_bytes": sum(s.nbytes for s in stores),
+            "streamed_bytes": host_bytes,
+            # The parameter elements whose states stream, and the host bytes (the store's alignment
+            # padding included) per such element.
+            "streamed_params": streamed,
+            "host_bytes_per_param": host_bytes / streamed if streamed else None,
+            # What the copies of the last step() moved, each way, counted as they were issued (none
+            # where every state is resident); per element of the parameters streamed in that step.
+            "link_bytes_last_step": last.as_dict(),
+            "streamed_params_last_step": self._streamed_last_step,
+            "link_bytes_per_param_last_step": {way: nbytes / self._streamed_last_step for way, nbytes in
+                                               last.as_dict().items()} if self._streamed_last_step else None,
+            "link_bytes_total": self.link_total.as_dict(),
             "device_bytes": self.device_bytes,
             "device_peak_bytes": self._device_peak,
             "chunk_size": self.chunk_size,

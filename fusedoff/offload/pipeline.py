@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.plan import Chunk, ChunkPlan, round_up
-from fusedoff.offload.runtime import Runtime
+from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.store import HostStateStore
 from fusedoff.offload.contract import StateSpec
 
@@ -37,6 +37,18 @@ def buffer_regions(specs: Iterable[StateSpec], chunk_size: int) -> tuple[dict[st
         offsets[spec.name] = used
         used += round_up(spec.nbytes(chunk_size), REGION_ALIGN_BYTES)
     return offsets, used
+
+
+def pass_link_bytes(specs: dict[str, StateSpec], chunks: Iterable[Chunk], read: Iterable[str],
+                    write: Iterable[str]) -> LinkBytes:
+    """The bytes one `StreamPipeline.run` over `chunks` copies each way (a prediction: `run` counts
+    what it copies): every state it reads or writes in, the written ones out, each chunk whole."""
+    read, write = set(read) | set(write), set(write)
+    link = LinkBytes()
+    for chunk in chunks:
+        link.to_device += sum(specs[name].nbytes(chunk.numel) for name in read)
+        link.to_host += sum(specs[name].nbytes(chunk.numel) for name in write)
+    return link
 
 
 class StreamPipeline:
@@ -85,7 +97,7 @@ class StreamPipeline:
             buffers = self._views(slot, chunk, store, regions)
             rt.wait_event(self.copy_in, self._free[slot])
             for name in read:
-                rt.copy(self.copy_in, buffers[name], store.chunk(name, chunk))
+                rt.copy_to_device(self.copy_in, buffers[name], store.chunk(name, chunk))
             loaded = rt.record(self.copy_in)
             rt.wait_event(self.compute, loaded)
             touched = list(touches(chunk)) if rt.records_accesses else []
@@ -94,7 +106,7 @@ class StreamPipeline:
             computed = done[chunk.index] = rt.record(self.compute)
             rt.wait_event(self.copy_out, computed)
             for name in write:
-                rt.copy(self.copy_out, store.chunk(name, chunk), buffers[name])
+                rt.copy_to_host(self.copy_out, store.chunk(name, chunk), buffers[name])
             self._free[slot] = rt.record(self.copy_out)
         self._last_copy_out[id(store)] = rt.record(self.copy_out)
         return done

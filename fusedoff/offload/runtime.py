@@ -18,19 +18,41 @@ Data-flow terms used by the simulator: the *host* is the Python thread (it reads
 memory directly); *main* is the stream the user's kernels run on (the current stream: backward
 writes gradients there, the next forward reads parameters there). `host_access` and `main_access`
 tell the runtime about such accesses; only the simulator records them.
+
+Every byte the engine moves between host memory and a device goes through the base class's counted
+copies (`copy_to_device`, `copy_to_host`, `read_to_host`), so each runtime counts alike what it
+copies each way in `link`; `memory_stats()` reports it (per step, in total, per parameter).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
+@dataclass
+class LinkBytes:
+    """Bytes copied between host memory and the device, each way."""
+
+    to_device: int = 0
+    to_host: int = 0
+
+    def __add__(self, other: "LinkBytes") -> "LinkBytes":
+        return LinkBytes(self.to_device + other.to_device, self.to_host + other.to_host)
+
+    def __sub__(self, other: "LinkBytes") -> "LinkBytes":
+        return LinkBytes(self.to_device - other.to_device, self.to_host - other.to_host)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"to_device": self.to_device, "to_host": self.to_host}
+
 
 class Runtime:
-    """What the engine asks of a device. Every method but the access records must be implemented."""
+    """What the engine asks of a device. Every method but the access records and the counted copies
+    (`copy_to_device`, `copy_to_host`: written once here, for every runtime) must be implemented."""
 
     decides_budget = False  # offload='auto' decides a budget from the device's memory at the first step
     asynchronous = False  # copies overlap the host: host memory is page-locked for them
@@ -38,6 +60,24 @@ class Runtime:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.link = LinkBytes()  # every byte the engine copied through this runtime, each way
+
+    # the engine's copies, counted (the bytes of the host memory each one reads or writes)
+    def copy_to_device(self, stream, dst: Tensor, src: Tensor) -> None:
+        """`copy` from host memory `src` into the device buffer `dst`, counted in `link`."""
+        self.link.to_device += src.numel() * src.element_size()
+        self.copy(stream, dst, src)
+
+    def copy_to_host(self, stream, dst: Tensor, src: Tensor) -> None:
+        """`copy` from the device buffer `src` into host memory `dst`, counted in `link`."""
+        self.link.to_host += dst.numel() * dst.element_size()
+        self.copy(stream, dst, src)
+
+    def read_to_host(self, tensor: Tensor) -> Tensor:
+        """`tensor` copied to host memory now, synchronously (a parameter written from outside the
+        step, read to set its streamed master), counted in `link`."""
+        self.link.to_host += tensor.numel() * tensor.element_size()
+        return tensor.to("cpu")
 
     # streams and events
     def new_stream(self):

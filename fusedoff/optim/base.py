@@ -218,11 +218,13 @@ class FusedOptimizer(Optimizer):
         config = {**self._config, "device_budget": device_budget}
         OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"], device_budget)  # refuses first
         self._engine.wait_host()  # every chunk done (copied back after its computation): no join needed
-        forward_order = self._engine.forward_order
-        peak = self._engine.memory_stats()["device_peak_bytes"]
+        old = self._engine
+        forward_order = old.forward_order
+        peak = old.memory_stats()["device_peak_bytes"]
         self._config = config
         self._start_engine(config)
         self._engine._device_peak = peak
+        self._engine.carry_link_counts(old.link_counts())
         self._engine.overlap(forward_order)
         self._wrap_state()
 
@@ -235,6 +237,14 @@ class FusedOptimizer(Optimizer):
         plus streaming buffers, and ``device_peak_bytes`` the most it has held; ``device_budget``:
         the budget in force (None before it is decided, and where nothing limits it);
         ``chunk_size`` (elements, after rounding up to 16) and ``num_buffers``.
+
+        Bytes over the host-device link, counted as the engine issues its copies (every runtime:
+        CUDA, the host loopback, the simulators): ``link_bytes_last_step`` and ``link_bytes_total``
+        (over the optimizer's life), each ``{"to_device": bytes, "to_host": bytes}``;
+        ``streamed_params_last_step``, the parameter elements whose states streamed in the last
+        step, and ``link_bytes_per_param_last_step``, the bytes per such element each way (None when
+        nothing streamed). ``streamed_params``: the parameter elements whose states live in host
+        memory, and ``host_bytes_per_param`` their host bytes per element (None when none do).
         """
         return self._engine.memory_stats()
 
