@@ -19,6 +19,8 @@ element the optimizer stores (and streams) for a master weight. The one place th
 link model, the README's table of bytes per parameter and the tests that count the engine's copies
 all take them from `master_bytes_per_element`.
   fp32         the fp32 master, 4 bytes.
+  split        its low 16 bits beside the bf16 parameter (exact), 2 bytes.
+  split8       bits 8-15 of its stochastic rounding to 24 bits, 1 byte.
 
 State precisions of fusedoff.AdamW (``STATE_PRECISIONS``, its ``state_precision``): how the two moments
 are stored; the master weights stay fp32.
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 FP32 = 4
 # Bytes per element of a stored master weight, by master precision (see the module docstring): a new
 # precision is one entry here, which every table and test built on this module picks up.
-MASTER_BYTES_PER_ELEMENT = {"fp32": 4}
+MASTER_BYTES_PER_ELEMENT = {"fp32": 4, "split": 2, "split8": 1}  # fusedoff/kernels/master.py
 ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
 QUANT_BLOCK = 256  # fusedoff/kernels/codec.py: elements per fp32 scale of an 8-bit moment
 

@@ -41,7 +41,7 @@ from fusedoff.offload.runtime import LinkBytes
 from fusedoff.offload.contract import StateSpec, state_specs
 from fusedoff.optim.adam import Adam, AdamW, _check_precision, adam_state_specs
 from fusedoff.optim.apollo import Apollo
-from fusedoff.optim.base import MASTER, keeps_master
+from fusedoff.optim.base import check_master_options, keeps_master, master_spec
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -129,7 +129,8 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
             amsgrad: bool = False, grad_dtype: torch.dtype | None = None, master_weights: bool | None = None,
             offload: str = "auto", chunk_size: int | None = None, num_buffers: int = 2,
             device_budget: int | None = None, device: torch.device | str | None = None,
-            state_precision: str = "fp32", options: dict | None = None, label: str | None = None) -> MemoryPrediction:
+            state_precision: str = "fp32", master_precision: str = "fp32", options: dict | None = None,
+            label: str | None = None) -> MemoryPrediction:
     """Predicted bytes by component for training `params` with `optimizer` in `setup`.
 
     setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
@@ -142,6 +143,8 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
     state_precision: fusedoff's storage of the moments, as passed to fusedoff.AdamW/Adam (``"fp32"``,
         ``"bf16"``, ``"8bit"``: one byte each and an fp32 scale per block of 256); fusedoff only
         (the other setups keep theirs as said above), and Apollo keeps fp32 states only.
+    master_precision: fusedoff's storage of master weights (``"fp32"`` 4 bytes, ``"split"`` 2, ``"split8"``
+        1; bf16 parameters only, as the optimizer refuses fp16 ones).
     options: the optimizer's other arguments that decide which states a streamed step moves (Apollo's
         ``weight_decay``, ``rebound``, ``weight_decay_type``; default: the class's defaults).
     grad_dtype: the gradients' dtype; None means each parameter's own.
@@ -157,6 +160,9 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
     if offload not in ("auto", "none", "stream"):
         raise ValueError(f"offload must be 'auto', 'none' or 'stream', got {offload!r}")
     specs = _state_specs(setup, optimizer, state_precision, amsgrad)
+    check_master_options(master_precision, master_weights)
+    if setup != "fusedoff" and master_precision != "fp32":
+        raise ValueError(f"master_precision={master_precision!r} is a fusedoff option: setup={setup!r} keeps fp32 masters")
     params = _unique_params(params)
     if device is not None:
         device_type = torch.device(device).type
@@ -180,14 +186,16 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         on_device[MASTERS] = _bytes(params, fp32)
         on_device[FP32_GRADS] = _bytes(params, fp32)
     else:
-        streams, streamed, link = _predict_fusedoff(params, on_device, host, specs, master_weights, offload,
-                                                    device_type, chunk_size, num_buffers, device_budget,
+        streams, streamed, link = _predict_fusedoff(params, on_device, host, specs, master_weights, master_precision,
+                                                    offload, device_type, chunk_size, num_buffers, device_budget,
                                                     _phases_of(optimizer, amsgrad, state_precision, options or {}))
     if label is None:
         label = {"fusedoff": "fusedoff " + ("stream" if streams else "none"), "plain": "plain",
                  "upcast": "fp32 upcast"}[setup]
         if state_precision != "fp32":
             label += f" {state_precision}"
+        if master_precision != "fp32":
+            label += f" {master_precision} master"
     return MemoryPrediction(label, device_type, on_device, host, state_precision if setup == "fusedoff" else None,
                             streamed, link.as_dict())
 
@@ -218,8 +226,8 @@ def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dic
     return lambda names: opt._fused_update(group, "torch", None, None, names, []).phases
 
 
-def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, device_type, chunk_size,
-                      num_buffers, device_budget, phases_of) -> tuple[bool, int, LinkBytes]:
+def _predict_fusedoff(params, on_device, host, specs, master_weights, master_precision, offload, device_type,
+                      chunk_size, num_buffers, device_budget, phases_of) -> tuple[bool, int, LinkBytes]:
     """Fills `on_device` and `host` as the engine places states (OffloadEngine.predict_placement):
     buckets of one dtype and master setting in the order they first appear, each tensor's states
     and master resident while they fit in the budget. Returns whether anything streams, the
@@ -231,8 +239,10 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, offload, d
     buckets: dict[tuple, list[Tensor]] = {}
     for p in params:
         master = keeps_master(p.dtype, master_weights)
+        if master and master_precision != "fp32" and p.dtype != torch.bfloat16:
+            raise ValueError(f"master_precision={master_precision!r} needs bfloat16 parameters, got {p.dtype}")
         buckets.setdefault((p.dtype, master), []).append(p)
-    kept = [specs + ((MASTER,) if master else ()) for _, master in buckets]
+    kept = [specs + ((master_spec(master_precision),) if master else ()) for _, master in buckets]
     flags, buffers = engine.predict_placement([(k, [p.numel() for p in members])
                                                for k, members in zip(kept, buckets.values())], budget)
     streamed, link = 0, LinkBytes()

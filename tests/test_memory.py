@@ -88,6 +88,29 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, 
     assert got.link_bytes_per_param == stats["link_bytes_per_param_last_step"]
 
 
+@pytest.mark.parametrize("master_precision", ["split", "split8"])
+@pytest.mark.parametrize("offload", ["none", "stream"])
+@pytest.mark.parametrize("kind,precision", [("adamw", "fp32"), ("adamw", "8bit"), ("apollo", "fp32")])
+def test_split_masters_are_predicted_as_the_optimizer_keeps_them(kind, precision, offload, master_precision):
+    """A split master's low bits (2 or 1 bytes per element) on the device or in the host store: the
+    prediction against the tensors and slabs the optimizer holds and the bytes its step counted."""
+    params = make_params(torch.bfloat16)
+    options = dict(offload=offload, master_precision=master_precision) | (
+        dict(chunk_size=256) if offload == "stream" else {})
+    opt = make_optimizer(kind, precision, params, **options)
+    opt.step()
+    got = memory.predict(params, optimizer=kind, state_precision=precision, **options)
+    assert memory.check_memory_stats(got, opt.memory_stats()) == []
+    per_element = {"split": 2, "split8": 1}[master_precision] * sum(p.numel() for p in params)
+    if offload == "none":
+        assert got.device[memory.MASTERS] == nbytes(state_tensors(opt, lambda k: k == "master_low_bits")) == per_element
+        return
+    slabs = [slab for layout in opt._engine.buckets.values() for name, ss in layout.store.slabs.items()
+             for slab in ss if name == "master_low_bits"]
+    assert got.host[memory.HOST_MASTERS] == nbytes(slabs) >= per_element
+    assert got.link == opt.memory_stats()["link_bytes_last_step"]
+
+
 def test_check_memory_stats_reports_a_difference():
     params = make_params(torch.float32)
     opt = fusedoff.AdamW(params, offload="stream", chunk_size=256)
