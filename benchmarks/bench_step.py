@@ -69,8 +69,9 @@ from gpu_suite import targets  # noqa: E402  (the verdicts printed with the figu
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402
 from fusedoff.offload.engine import OffloadEngine  # noqa: E402
-from fusedoff.offload.contract import StateSpec, state_specs  # noqa: E402
+from fusedoff.offload.contract import state_specs  # noqa: E402
 from fusedoff.optim.adam import adam_state_specs  # noqa: E402
+from fusedoff.optim.base import master_spec  # noqa: E402
 
 OPTIMIZERS = ("adamw", "apollo")
 ADAM_PEERS_GPU = ("torch_fused", "naive_offload", "zero_offload", "torchao", "bnb_paged")
@@ -150,10 +151,11 @@ class Contender:
 
 
 def fusedoff_contender(optimizer: str, offload: str, workload: Workload, chunk_size: int, num_buffers: int,
-                       default_chunk: int, resident_fraction: float = 0.0, state_precision: str = "fp32") -> Contender:
+                       default_chunk: int, resident_fraction: float = 0.0, state_precision: str = "fp32",
+                       master_precision: str = "fp32") -> Contender:
     """fusedoff in one offload mode; with offload='stream' and `resident_fraction` > 0, a device budget of that
     fraction of the state bytes (the first tensors stay resident, the rest stream); AdamW's moments stored
-    as `state_precision` says."""
+    as `state_precision` says, master weights as `master_precision` says (split ones: bf16 models only)."""
     device = workload.device
     backend = device.type
     cls = fusedoff.AdamW if optimizer == "adamw" else fusedoff.Apollo
@@ -161,6 +163,8 @@ def fusedoff_contender(optimizer: str, offload: str, workload: Workload, chunk_s
     kwargs = dict(offload=offload, backend=backend)
     if state_precision != "fp32":
         kwargs["state_precision"] = state_precision
+    if master_precision != "fp32":
+        kwargs["master_precision"] = master_precision
     states = (2 if optimizer == "adamw" else 3) + int(workload.precision.master)
     streamed_numels = workload.numels
     if offload == "stream":
@@ -186,20 +190,25 @@ def fusedoff_contender(optimizer: str, offload: str, workload: Workload, chunk_s
         suffix += f"_budget{round(resident_fraction * 100)}"
     if state_precision != "fp32":
         suffix += f"_{state_precision}"
+    if master_precision != "fp32":
+        suffix += f"_{master_precision}"
     what = f"fusedoff.{cls.__name__}(offload='{offload}', backend='{backend}'"
     if state_precision != "fp32":
         what += f", state_precision='{state_precision}'"
+    if master_precision != "fp32":
+        what += f", master_precision='{master_precision}'"
     if resident_fraction:
         what += f", device_budget={resident_fraction:.0%} of the states"
     what += f", chunk_size={timing.format_size(chunk_size)}, num_buffers={num_buffers})" if offload == "stream" else ")"
     streams = offload == "stream" and bool(streamed_numels)
     state = traffic.STATE_PRECISIONS[state_precision]
-    link = traffic.fusedoff_traffic(optimizer, workload.precision, "stream" if streams else "none", streamed_numels,
+    precision = dataclasses.replace(workload.precision, master_precision=master_precision)
+    link = traffic.fusedoff_traffic(optimizer, precision, "stream" if streams else "none", streamed_numels,
                                     chunk_size, device.type, state=state)
-    memory = traffic.fusedoff_traffic(optimizer, workload.precision, "none", workload.numels, chunk_size, device.type,
+    memory = traffic.fusedoff_traffic(optimizer, precision, "none", workload.numels, chunk_size, device.type,
                                       state=state)
     specs = (adam_state_specs(state_precision) if optimizer == "adamw" else ("m", "b", "d"))
-    specs = state_specs(specs) + ((StateSpec("master_param"),) if workload.precision.master else ())
+    specs = state_specs(specs) + ((master_spec(master_precision),) if workload.precision.master else ())
     buffers = OffloadEngine("stream", chunk_size, num_buffers, None).buffer_bytes_for(specs)
     return Contender(
         f"fusedoff_{offload}{suffix}", "fusedoff", offload, what,
@@ -243,6 +252,11 @@ def contenders_for(optimizer: str, workload: Workload, args) -> list[Contender]:
         # Compressed states: fewer bytes over the link (issue 14's streamed 8-bit vs fp32 target).
         out.append(fusedoff_contender(optimizer, "stream", workload, args.chunk_sizes[0], args.num_buffers,
                                       args.chunk_sizes[0], state_precision="8bit"))
+        if workload.precision.master:  # split masters (issue 22): 10 and 3.03 bytes each way instead of 12 and 6.03
+            out.append(fusedoff_contender(optimizer, "stream", workload, args.chunk_sizes[0], args.num_buffers,
+                                          args.chunk_sizes[0], master_precision="split"))
+            out.append(fusedoff_contender(optimizer, "stream", workload, args.chunk_sizes[0], args.num_buffers,
+                                          args.chunk_sizes[0], state_precision="8bit", master_precision="split8"))
     if optimizer == "adamw":
         names = ADAM_PEERS_GPU if gpu_peers else ("torch_fused",)
         out += [peer_contender(n, workload) for n in names

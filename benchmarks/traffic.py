@@ -155,8 +155,11 @@ def _adam_update_terms(precision: Precision, amsgrad: bool, state: StatePrecisio
     """(bytes per element, bytes per scale block) of one fused Adam update."""
     _check_adam_states(amsgrad, state)
     moments = 2 * state.moment + FP32 * int(amsgrad)  # max_exp_avg_sq is fp32
-    reads = FP32 + precision.grad + moments
-    writes = FP32 + moments + (precision.param if precision.master else 0)
+    # The fp32 weights: the param or the whole master; a split master is read beside its parameter.
+    split = precision.master and precision.master_precision != "fp32"
+    weights = precision.param + precision.master_bytes if split else FP32
+    reads = weights + precision.grad + moments
+    writes = (precision.master_bytes if precision.master else FP32) + moments + (precision.param if precision.master else 0)
     return reads + writes, 2 * 2 * FP32 if state.block else 0  # each moment's scale read and written
 
 

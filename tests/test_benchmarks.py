@@ -4,6 +4,7 @@ Every expected figure is computed by hand in the test (or by the engine itself, 
 and the passes it asks for), never by the function under test.
 """
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -171,12 +172,13 @@ def test_counted_streamed_bytes_match_traffic_py(optimizer, config, state, preci
 
 
 @pytest.mark.parametrize("offload", ["none", "stream"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16_master"])
+@pytest.mark.parametrize("precision, master", [("fp32", "fp32"), ("bf16_master", "fp32"), ("bf16_master", "split"),
+                                               ("bf16_master", "split8")])
 @pytest.mark.parametrize("state", list(STATES))
-def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, state, precision, offload):
+def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, state, precision, master, offload):
     """The kernel's bytes counted over the tensors the optimizer hands its fused op (whole tensors, or
     pieces of chunk buffers): the grad read; every state, scale and master read and written; the param
-    written, and read too where it is the fp32 weight."""
+    written, and read too where it is the fp32 weight or the upper half of a split master."""
     numels = [7, 300, 1000, 4097]  # partial 8-bit blocks; with chunks of 256, tensors spanning chunks
     counted = {"bytes": 0}
 
@@ -189,7 +191,7 @@ def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, st
         def spy(params, grads, *rest, **kwargs):
             states, masters = rest[:num_state_lists], rest[num_state_lists]
             counted["bytes"] += (nbytes(grads) + 2 * nbytes(t for ts in states for t in ts) + 2 * nbytes(masters)
-                                 + nbytes(params) * (1 if masters else 2))
+                                 + nbytes(params) * (1 if masters and masters[0].is_floating_point() else 2))
             return original(params, grads, *rest, **kwargs)
 
         monkeypatch.setattr(ops, name, spy)
@@ -200,12 +202,12 @@ def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, st
     params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in numels]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = fusedoff.AdamW(params, offload=offload, chunk_size=256, backend="torch", state_precision=state)
+    opt = fusedoff.AdamW(params, offload=offload, chunk_size=256, backend="torch", state_precision=state,
+                         master_precision=master)
     opt.step()
-    assert counted["bytes"] == traffic.adam_tensors_update_bytes(numels, traffic.PRECISIONS[precision],
-                                                                 state=STATES[state])
-    t = traffic.fusedoff_traffic("adamw", traffic.PRECISIONS[precision], offload, numels, 256, "cpu",
-                                 state=STATES[state])
+    model = dataclasses.replace(traffic.PRECISIONS[precision], master_precision=master)
+    assert counted["bytes"] == traffic.adam_tensors_update_bytes(numels, model, state=STATES[state])
+    t = traffic.fusedoff_traffic("adamw", model, offload, numels, 256, "cpu", state=STATES[state])
     assert t.memory == counted["bytes"]
 
 
