@@ -9,6 +9,7 @@
 #include "fusedoff/launchers.h"
 #include "blocks.h"
 #include "isa.h"
+#include "master_lanes.h"
 
 namespace fusedoff {
 namespace {
@@ -64,9 +65,13 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
       prefetch_lines<1>(param, ahead, ahead_end);
       prefetch_lines<0>(grad, ahead, ahead_end);
     }
+    MasterLanes<kMaster, kPrefetchChunk> lanes(master, chunk, chunk_end);
+    using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
+    void* chunk_master = lanes.lanes();
+    P* chunk_param = param + chunk;
 #pragma omp simd
     for (int64_t i = chunk; i < chunk_end; ++i) {
-      float p = MasterWeight<kMaster, P>::load(master, param, i);
+      float p = Master::load(chunk_master, chunk_param, i - chunk);
       float m = exp_avg[i];
       float v = exp_avg_sq[i];
       float vmax = kAmsgrad ? max_exp_avg_sq[i] : 0.0f;
@@ -74,8 +79,9 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
       if (kAmsgrad) max_exp_avg_sq[i] = vmax;
-      MasterWeight<kMaster, P>::store(master, param, i, p, salt);
+      Master::store(chunk_master, chunk_param, i - chunk, p, salt);
     }
+    lanes.write_back();
   }
 }
 };

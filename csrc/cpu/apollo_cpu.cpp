@@ -13,6 +13,7 @@
 #include "fusedoff/launchers.h"
 #include "blocks.h"
 #include "isa.h"
+#include "master_lanes.h"
 
 namespace fusedoff {
 namespace {
@@ -26,11 +27,6 @@ struct RangeArgs {
   float decay;                   // Full/Finish
 };
 
-template <typename P, MasterPrecision kMaster>
-FUSEDOFF_INLINE float load_param(const ApolloTensorPtrs& t, int64_t i) {
-  return MasterWeight<kMaster, P>::load(t.master, static_cast<const P*>(t.param), i);
-}
-
 // Pass 1: returns this range's partial sums; NaN in y is counted so that max|y| propagates it.
 using HostPartials = ApolloPartialsT<double>;
 
@@ -43,7 +39,12 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   const float* __restrict__ hessian = t.approx_hessian;
   const float* __restrict__ d = t.update;
   const P* __restrict__ param = static_cast<const P*>(t.param);
-  const void* master = t.master;
+  // The master is read only with L2 decay (widened for the loop where split8, see master_lanes.h).
+  constexpr MasterPrecision kRead = kL2 ? kMaster : MasterPrecision::None;
+  MasterLanes<kRead, kBlockElements> lanes(t.master, a.begin, a.end);
+  using Master = MasterWeight<kRead, P, typename decltype(lanes)::Lane>;
+  const void* range_master = lanes.lanes();
+  const P* __restrict__ range_param = param + a.begin;
   const ApolloStepScalars s{a.c->alpha, a.c->curr_lr, a.c->l2_decay, 0.0};  // apollo_grad reads l2_decay only
   double sum_d4 = 0.0, sum_yd = 0.0, sum_bdd = 0.0;
   float max_abs_y = 0.0f;
@@ -52,7 +53,7 @@ static FUSEDOFF_INLINE HostPartials run(RangeArgs a) {
   for (int64_t i = a.begin; i < a.end; ++i) {
     // NOTE: the parameter is read through local restrict pointers: through `t` (load_param) GCC
     // left this loop scalar, about half as fast (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
-    const float p = kL2 ? MasterWeight<kMaster, P>::load(master, param, i) : 0.0f;
+    const float p = kL2 ? Master::load(range_master, range_param, i - a.begin) : 0.0f;
     const float g = apollo_grad(load_float(grad + i), p, a.grad_scale, s);
     float d4, yd, bdd, abs_y;
     apollo_reduce_terms(g, m[i], hessian[i], d[i], d4, yd, bdd, abs_y);
@@ -73,7 +74,12 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
   const ApolloTensorPtrs& t = *a.t;
   const G* __restrict__ grad = static_cast<const G*>(t.grad);
   P* __restrict__ param = static_cast<P*>(t.param);
-  void* master = t.master;
+  // The master is read with L2 decay or to finish (widened for the loop where split8, see master_lanes.h).
+  constexpr MasterPrecision kUsed = (kFinish || kL2) ? kMaster : MasterPrecision::None;
+  MasterLanes<kUsed, kBlockElements> lanes(t.master, a.begin, a.end);
+  using Master = MasterWeight<kUsed, P, typename decltype(lanes)::Lane>;
+  void* range_master = lanes.lanes();
+  P* __restrict__ range_param = param + a.begin;
   const uint32_t salt = split8_salt(*t.step);
   float* __restrict__ m = t.exp_avg_grad;
   float* __restrict__ hessian = t.approx_hessian;
@@ -84,7 +90,7 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
 #pragma omp simd reduction(+ : sum_rebound)
   for (int64_t i = a.begin; i < a.end; ++i) {
     // 'Moments' without L2 decay needs no parameter: skip its load (4 of 28 bytes per element).
-    float p = (kFinish || kL2) ? load_param<P, kMaster>(t, i) : 0.0f;
+    float p = (kFinish || kL2) ? Master::load(range_master, range_param, i - a.begin) : 0.0f;
     const float g = apollo_grad(load_float(grad + i), p, a.grad_scale, s);
     float mi = m[i];
     float bi = hessian[i];
@@ -95,11 +101,12 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
     if (kFinish) {
       apollo_finish_element(p, mi, bi, di, a.decay, c);
       d[i] = di;
-      MasterWeight<kMaster, P>::store(master, param, i, p, salt);
+      Master::store(range_master, range_param, i - a.begin, p, salt);
     } else {
       sum_rebound += apollo_rebound(bi, c);
     }
   }
+  if constexpr (kFinish) lanes.write_back();
   return sum_rebound;
 }
 };
@@ -110,7 +117,10 @@ struct FinishRange {
 static FUSEDOFF_INLINE double run(RangeArgs a) {
   const ApolloTensorPtrs& t = *a.t;
   P* __restrict__ param = static_cast<P*>(t.param);
-  void* master = t.master;
+  MasterLanes<kMaster, kBlockElements> lanes(t.master, a.begin, a.end);  // see master_lanes.h
+  using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
+  void* range_master = lanes.lanes();
+  P* __restrict__ range_param = param + a.begin;
   const uint32_t salt = split8_salt(*t.step);
   const float* __restrict__ m = t.exp_avg_grad;
   const float* __restrict__ hessian = t.approx_hessian;
@@ -118,12 +128,13 @@ static FUSEDOFF_INLINE double run(RangeArgs a) {
   const ApolloStepConstants c = *a.c;
 #pragma omp simd
   for (int64_t i = a.begin; i < a.end; ++i) {
-    float p = load_param<P, kMaster>(t, i);
+    float p = Master::load(range_master, range_param, i - a.begin);
     float di;
     apollo_finish_element(p, m[i], hessian[i], di, a.decay, c);
     d[i] = di;
-    MasterWeight<kMaster, P>::store(master, param, i, p, salt);
+    Master::store(range_master, range_param, i - a.begin, p, salt);
   }
+  lanes.write_back();
   return 0.0;
 }
 };

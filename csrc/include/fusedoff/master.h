@@ -90,13 +90,15 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const float&) { retur
 // Element i of a parameter of storage type P and its master weight stored as M: `load` is the fp32
 // value the update starts from, `store` writes the updated value to both. `master` points at the
 // master's storage (float, or the uint16/uint8 low bits), null with None. `salt`: split8_salt.
-template <MasterPrecision M, typename P>
+// `Split8Lane`: the type a split8 master's byte is held in (the host kernels widen it, see
+// csrc/cpu/master_lanes.h).
+template <MasterPrecision M, typename P, typename Split8Lane = uint8_t>
 struct MasterWeight {
   static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float load(const void* master, const P* param, int64_t i) {
     if (M == MasterPrecision::Float32) return static_cast<const float*>(master)[i];
     if (M == MasterPrecision::Split16) return join_master(storage_bits(param[i]), static_cast<const uint16_t*>(master)[i]);
     if (M == MasterPrecision::Split8) {
-      const uint32_t low = static_cast<uint32_t>(static_cast<const uint8_t*>(master)[i]) << 8;
+      const uint32_t low = static_cast<uint32_t>(static_cast<const Split8Lane*>(master)[i]) << 8;
       return join_master(storage_bits(param[i]), static_cast<uint16_t>(low));
     }
     return load_float(param + i);
@@ -112,7 +114,7 @@ struct MasterWeight {
     const uint32_t bits = float_to_bits(value);
     if (M == MasterPrecision::Float32) static_cast<float*>(master)[i] = value;
     if (M == MasterPrecision::Split16) static_cast<uint16_t*>(master)[i] = static_cast<uint16_t>(bits);
-    if (M == MasterPrecision::Split8) static_cast<uint8_t*>(master)[i] = static_cast<uint8_t>(bits >> 8);
+    if (M == MasterPrecision::Split8) static_cast<Split8Lane*>(master)[i] = static_cast<Split8Lane>((bits >> 8) & 0xffu);
   }
 };
 
