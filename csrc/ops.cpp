@@ -152,8 +152,6 @@ void run_on_cpu(Launch& launch, at::TensorList params, void (*kernel)(const Laun
 template <typename Launch, typename Kernel>
 void run_on_cuda(Launch& launch, at::TensorList params, Kernel&& kernel) {
   if (launch.num_tensors == 0) return;
-  TORCH_CHECK(launch.master == MasterPrecision::None || launch.master == MasterPrecision::Float32,
-              "fusedoff: split master weights are not implemented in the cuda backend yet");
 #if defined(FUSEDOFF_CUDA_EMULATION)
   TORCH_CHECK(params[0].device().is_cpu(), "fusedoff: the emulated CUDA kernels take CPU tensors, got ",
               params[0].device());

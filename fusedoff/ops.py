@@ -144,9 +144,11 @@ def adam_step_(
 
     The math is in ``csrc/include/fusedoff/adam.h``; ``hyper`` (or its fields as keywords) says which.
     ``steps`` hold each tensor's step count after this step's increment (see ``increment_steps_``);
-    ``max_exp_avg_sqs`` is empty unless ``amsgrad``; ``master_params`` is empty or holds fp32 master
-    weights, in which case the params receive the rounded master values. States are fp32; params
-    and grads fp32, fp16 or bf16.
+    ``max_exp_avg_sqs`` is empty unless ``amsgrad``; ``master_params`` is empty or holds master
+    weights, in which case the params receive the rounded master values: fp32, or beside bf16 params
+    the int16 ("split") or uint8 ("split8") low bits of a split master, on every backend (see
+    [note: split master weights] in csrc/include/fusedoff/master.h). States are fp32; params and
+    grads fp32, fp16 or bf16.
     """
     _run("adam_step_", backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps,
          hyper=_hyperparameters(AdamHyperparameters, hyper, hyperparameters), grad_scale=grad_scale,

@@ -501,7 +501,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fusedoff.kernels import triton_apollo as ta
 
-POINTERS = {"param_ptr": "*bf16", "grad_ptr": "*fp16", "stats_ptr": "*fp64"}
+POINTERS = {"param_ptr": "*bf16", "grad_ptr": "*fp16", "stats_ptr": "*fp64", "master_ptr": "*u8"}
 
 def compile_(kernel, **constexprs):
     signature = {}
@@ -516,7 +516,7 @@ def compile_(kernel, **constexprs):
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     return "\n".join(line.split("//")[0] for line in ptx.splitlines())  # without comments (debug info)
 
-flags = dict(HAS_MASTER=True, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, INDEX_64=False, BLOCK_SIZE=1024)
+flags = dict(MASTER=3, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, INDEX_64=False, BLOCK_SIZE=1024)  # 3: "split8"
 ptx = [compile_(ta._apollo_reduce_kernel, DECAY=ta.DECAY_L2, **flags)]
 for phase in (ta.PHASE_FULL, ta.PHASE_MOMENTS, ta.PHASE_FINISH):
     no_partials = {} if phase == ta.PHASE_MOMENTS else {"partials_ptr": None}

@@ -12,8 +12,10 @@
 //    loop without the reduction.
 //  - Scalar (not 16-byte) accesses: codes are one byte, and a warp's 32 consecutive elements make
 //    whole 32- to 128-byte transactions already.
-//  - Thread 0 reads found_inf, grad_scale and the step and computes the AdamScalars and the random
-//    stream's step key once per block; shared memory broadcasts them. A skipped step
+//  - The master weight is read and written as master.h's MasterWeight for the launch's
+//    MasterPrecision (a template parameter).
+//  - Thread 0 reads found_inf, grad_scale and the step and computes the AdamScalars, the random
+//    stream's step key and the split8 salt once per block; shared memory broadcasts them. A skipped step
 //    (*found_inf != 0) returns before touching a tensor.
 #include <cuda_runtime.h>
 
@@ -49,12 +51,13 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-template <typename P, typename G, bool kMaster, bool kBlock8>
+template <typename P, typename G, MasterPrecision kMaster, bool kBlock8>
 __global__ void __launch_bounds__(kThreads)
     adam_compressed_chunks_kernel(const __grid_constant__ CompressedAdamChunkTable table) {
   __shared__ AdamScalars block_scalars;
   __shared__ float block_grad_scale;
   __shared__ uint32_t block_step_key;
+  __shared__ uint32_t block_salt;
   __shared__ bool block_skips;
 
   const BlockWork work = block_work(table, static_cast<int>(blockIdx.x));
@@ -67,6 +70,7 @@ __global__ void __launch_bounds__(kThreads)
       block_scalars = adam_scalars(table.args.hyper, step);
       block_grad_scale = table.args.grad_scale != nullptr ? *table.args.grad_scale : 1.0f;
       block_step_key = rounding_step_key(t.tensor_key, static_cast<uint32_t>(step));
+      block_salt = split8_salt(step);
     }
   }
   __syncthreads();
@@ -74,6 +78,7 @@ __global__ void __launch_bounds__(kThreads)
   const AdamScalars s = block_scalars;
   const float grad_scale = block_grad_scale;
   const uint32_t step_key = block_step_key;
+  const uint32_t salt = block_salt;
 
   P* param = static_cast<P*>(t.param);
   const G* grad = static_cast<const G*>(t.grad);
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
       v[k] = 0.0f;
       if (i >= n) continue;
       const int64_t e = first + i;
-      float p = kMaster ? static_cast<float*>(t.master)[e] : load_float(param + e);
+      float p = MasterWeight<kMaster, P>::load(t.master, param, e);
       if (kBlock8) {
         m[k] = decode_signed(static_cast<const uint8_t*>(t.exp_avg)[e], m_scale);
         v[k] = decode_unsigned(static_cast<const uint8_t*>(t.exp_avg_sq)[e], v_scale);
@@ -107,8 +112,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       float unused = 0.0f;
       adam_update<false>(p, load_float(grad + e), m[k], v[k], unused, grad_scale, s);
-      if (kMaster) static_cast<float*>(t.master)[e] = p;
-      store_float(param + e, p);
+      MasterWeight<kMaster, P>::store(t.master, param, e, p, salt);
       if (kBlock8) {
         m_max = fmaxf(m_max, finite_magnitude(m[k]));
         v_max = fmaxf(v_max, finite_magnitude(v[k]));
@@ -135,7 +139,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename P, typename G, bool kMaster, bool kBlock8>
+template <typename P, typename G, MasterPrecision kMaster, bool kBlock8>
 void launch_compressed_chunks(const CompressedAdamLaunch& launch) {
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   CompressedAdamChunkTable table{};
@@ -158,12 +162,11 @@ void adam_compressed_step_cuda(const CompressedAdamLaunch& launch) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
       const bool block8 = launch.precision == StatePrecision::Block8;
-      if ((launch.master == MasterPrecision::Float32)) {
-        block8 ? launch_compressed_chunks<P, G, true, true>(launch) : launch_compressed_chunks<P, G, true, false>(launch);
-      } else {
-        block8 ? launch_compressed_chunks<P, G, false, true>(launch)
-               : launch_compressed_chunks<P, G, false, false>(launch);
-      }
+      dispatch_master<P>(launch.master, [&](auto master) {
+        constexpr MasterPrecision kMaster = decltype(master)::value;
+        block8 ? launch_compressed_chunks<P, G, kMaster, true>(launch)
+               : launch_compressed_chunks<P, G, kMaster, false>(launch);
+      });
     });
   });
 }

@@ -11,9 +11,13 @@
 //    first element where all its pointers are 16-byte aligned) to the last whole vector of each
 //    chunk; the elements before the head and after the last vector take the scalar path, and so does
 //    every element of a tensor whose pointers differ in misalignment (multi_tensor.cuh).
+//  - The master weight is read and written as master.h's MasterWeight for the launch's
+//    MasterPrecision (a template parameter): fp32, or the low bits of a split master beside the
+//    bf16 parameter, loaded and stored as words like the other arrays (multi_tensor.cuh).
 //  - Thread 0 of a block reads found_inf, grad_scale and the tensor's step and computes the
-//    AdamScalars (double pow) once; shared memory broadcasts them. With *found_inf != 0 every block
-//    returns before touching a tensor: the skip is decided on the device, with no host sync.
+//    AdamScalars (double pow) and the split8 salt once; shared memory broadcasts them. With
+//    *found_inf != 0 every block returns before touching a tensor: the skip is decided on the
+//    device, with no host sync.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -48,10 +52,10 @@ struct ChunkPtrs {
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;
-  float* master;
+  void* master;  // stored as the launch's MasterPrecision
 };
 
-template <typename P, typename G, bool kAmsgrad, bool kMaster>
+template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster>
 __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const AdamTensorPtrs& t, int64_t begin) {
   ChunkPtrs<P, G> c;
   c.param = static_cast<P*>(t.param) + begin;
@@ -59,24 +63,21 @@ __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const AdamTensorPtrs& t, i
   c.exp_avg = t.exp_avg + begin;
   c.exp_avg_sq = t.exp_avg_sq + begin;
   c.max_exp_avg_sq = kAmsgrad ? t.max_exp_avg_sq + begin : nullptr;
-  c.master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
+  c.master = master_at<kMaster>(t.master, begin);
   return c;
 }
 
-// Elements [i, i + kVec) of a chunk; every pointer + i is 16-byte aligned (i >= the vector head).
-template <int kVec, bool kAmsgrad, bool kMaster, typename P, typename G>
+// Elements [i, i + kVec) of a chunk; every pointer + i is aligned for its vector accesses (i >= the
+// vector head).
+template <int kVec, bool kAmsgrad, MasterPrecision kMaster, typename P, typename G>
 __device__ __forceinline__ void update_vector(const ChunkPtrs<P, G>& c, int i, float grad_scale,
-                                              const AdamScalars& s) {
+                                              const AdamScalars& s, uint32_t salt) {
   float p[kVec];
   float g[kVec];
   float m[kVec];
   float v[kVec];
   float vmax[kVec] = {};
-  if (kMaster) {
-    load_vector(c.master + i, p);
-  } else {
-    load_vector(c.param + i, p);
-  }
+  load_weights<kVec, kMaster>(c.master, c.param, i, p);
   load_vector(c.grad + i, g);
   load_vector(c.exp_avg + i, m);
   load_vector(c.exp_avg_sq + i, v);
@@ -86,15 +87,14 @@ __device__ __forceinline__ void update_vector(const ChunkPtrs<P, G>& c, int i, f
   store_vector(c.exp_avg + i, m);
   store_vector(c.exp_avg_sq + i, v);
   if (kAmsgrad) store_vector(c.max_exp_avg_sq + i, vmax);
-  if (kMaster) store_vector(c.master + i, p);
-  store_vector(c.param + i, p);
+  store_weights<kVec, kMaster>(c.master, c.param, i, p, salt);
 }
 
 // Element i of a chunk, any alignment; the same loads and stores as the host kernel.
-template <bool kAmsgrad, bool kMaster, typename P, typename G>
+template <bool kAmsgrad, MasterPrecision kMaster, typename P, typename G>
 __device__ __forceinline__ void update_scalar(const ChunkPtrs<P, G>& c, int i, float grad_scale,
-                                              const AdamScalars& s) {
-  float p = kMaster ? c.master[i] : load_float(c.param + i);
+                                              const AdamScalars& s, uint32_t salt) {
+  float p = MasterWeight<kMaster, P>::load(c.master, c.param, i);
   float m = c.exp_avg[i];
   float v = c.exp_avg_sq[i];
   float vmax = kAmsgrad ? c.max_exp_avg_sq[i] : 0.0f;
@@ -102,15 +102,15 @@ __device__ __forceinline__ void update_scalar(const ChunkPtrs<P, G>& c, int i, f
   c.exp_avg[i] = m;
   c.exp_avg_sq[i] = v;
   if (kAmsgrad) c.max_exp_avg_sq[i] = vmax;
-  if (kMaster) c.master[i] = p;
-  store_float(c.param + i, p);
+  MasterWeight<kMaster, P>::store(c.master, c.param, i, p, salt);
 }
 
 // One block per chunk of the tensors in `table` (see the design at the top of the file).
-template <typename P, typename G, bool kAmsgrad, bool kMaster>
+template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster>
 __global__ void __launch_bounds__(kThreads) adam_chunks_kernel(const __grid_constant__ AdamChunkTable table) {
   __shared__ AdamScalars block_scalars;
   __shared__ float block_grad_scale;
+  __shared__ uint32_t block_salt;
   __shared__ bool block_skips;
 
   const BlockWork work = block_work(table, static_cast<int>(blockIdx.x));
@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kThreads) adam_chunks_kernel(const __grid_cons
     const bool skip = table.args.found_inf != nullptr && *table.args.found_inf != 0.0f;
     block_skips = skip;
     if (!skip) {
-      block_scalars = adam_scalars(table.args.hyper, *tensor.step);
+      const float step = *tensor.step;
+      block_scalars = adam_scalars(table.args.hyper, step);
+      block_salt = split8_salt(step);
       block_grad_scale = table.args.grad_scale != nullptr ? *table.args.grad_scale : 1.0f;
     }
   }
@@ -127,38 +129,40 @@ __global__ void __launch_bounds__(kThreads) adam_chunks_kernel(const __grid_cons
   if (block_skips) return;  // AMP overflow: change nothing
   const AdamScalars s = block_scalars;
   const float grad_scale = block_grad_scale;
+  const uint32_t salt = block_salt;
 
   constexpr int kVec = kVectorElements<P, G>;
   const ChunkPtrs<P, G> c = chunk_ptrs<P, G, kAmsgrad, kMaster>(tensor, work.begin);
   const int thread = static_cast<int>(threadIdx.x);
   const BlockRuns runs = block_runs<kVec>(table.vector_head[work.slot], work.numel);
-  for (int i = thread; i < runs.vector_begin; i += kThreads) update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
+  for (int i = thread; i < runs.vector_begin; i += kThreads)
+    update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s, salt);
   for (int i = runs.vector_begin + thread * kVec; i < runs.vector_end; i += kThreads * kVec)
-    update_vector<kVec, kAmsgrad, kMaster>(c, i, grad_scale, s);
+    update_vector<kVec, kAmsgrad, kMaster>(c, i, grad_scale, s, salt);
   for (int i = runs.vector_end + thread; i < work.numel; i += kThreads)
-    update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s);
+    update_scalar<kAmsgrad, kMaster>(c, i, grad_scale, s, salt);
 }
 
 // The vector head (multi_tensor.cuh) of the pointers the kernel reads or writes.
-template <typename P, typename G>
-int adam_vector_head(const AdamTensorPtrs& t, bool amsgrad, bool has_master) {
+template <typename P, typename G, MasterPrecision kMaster>
+int adam_vector_head(const AdamTensorPtrs& t, bool amsgrad) {
   constexpr int kState = static_cast<int>(sizeof(float));
   const Access accesses[] = {{t.param, static_cast<int>(sizeof(P))},
                              {t.grad, static_cast<int>(sizeof(G))},
                              {t.exp_avg, kState},
                              {t.exp_avg_sq, kState},
                              {t.max_exp_avg_sq, amsgrad ? kState : 0},
-                             {t.master, has_master ? kState : 0}};
+                             master_access<kMaster, kVectorElements<P, G>>(t.master)};
   return multi_tensor::vector_head(accesses);
 }
 
-template <typename P, typename G, bool kAmsgrad, bool kMaster>
+template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster>
 void launch_adam_chunks(const AdamLaunch& launch) {
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   AdamChunkTable table{};
   table.args = AdamLaunchArgs{launch.grad_scale, launch.found_inf, launch.hyper};
   const auto head_of = [&](const AdamTensorPtrs& t) {
-    return adam_vector_head<P, G>(t, launch.amsgrad, (launch.master == MasterPrecision::Float32));
+    return adam_vector_head<P, G, kMaster>(t, launch.amsgrad);
   };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
@@ -175,15 +179,11 @@ void adam_step_cuda(const AdamLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if (launch.amsgrad && (launch.master == MasterPrecision::Float32)) {
-        launch_adam_chunks<P, G, true, true>(launch);
-      } else if (launch.amsgrad) {
-        launch_adam_chunks<P, G, true, false>(launch);
-      } else if ((launch.master == MasterPrecision::Float32)) {
-        launch_adam_chunks<P, G, false, true>(launch);
-      } else {
-        launch_adam_chunks<P, G, false, false>(launch);
-      }
+      dispatch_master<P>(launch.master, [&](auto master) {
+        constexpr MasterPrecision kMaster = decltype(master)::value;
+        launch.amsgrad ? launch_adam_chunks<P, G, true, kMaster>(launch)
+                       : launch_adam_chunks<P, G, false, kMaster>(launch);
+      });
     });
   });
 }

@@ -13,10 +13,12 @@
 //    base per block and a 32-bit index inside it, 16-byte accesses from the vector head (the first
 //    element where all the pointers a phase uses are aligned) to the last whole vector of a chunk,
 //    scalar accesses before and after it, and throughout where the pointers' misalignments differ.
+//  - The master weight is read and written as master.h's MasterWeight for the launch's
+//    MasterPrecision (a template parameter), as words like the other arrays (multi_tensor.cuh).
 //  - Thread 0 of a block reads found_inf, grad_scale, the tensor's step and (except in 'reduce')
-//    its stats, all from device memory, and computes the tensor's constants once; shared memory
-//    broadcasts them. With *found_inf != 0 every kernel returns before writing anything: the skip
-//    is decided on the device, with no host sync.
+//    its stats, all from device memory, and computes the tensor's constants (and the split8 salt)
+//    once; shared memory broadcasts them. With *found_inf != 0 every kernel returns before writing
+//    anything: the skip is decided on the device, with no host sync.
 //  - 'full' and 'finish' are elementwise. 'reduce' and 'moments' also reduce over the tensor,
 //    deterministically and without atomics, in two kernels on the stream:
 //     1. each block sums its chunk in fp32 (each thread over its own elements in index order, then
@@ -122,6 +124,7 @@ struct BlockConstants {
   ApolloStepConstants c;  // 'reduce': only alpha, curr_lr and l2_decay are set
   float decay;            // 'full'/'finish': apollo_decay_coefficient
   float grad_scale;
+  uint32_t salt;          // split8_salt of the step
   bool skip;              // *found_inf != 0
 };
 
@@ -133,10 +136,10 @@ struct ChunkPtrs {
   float* exp_avg_grad;
   float* hessian;
   float* update;
-  float* master;
+  void* master;  // stored as the launch's MasterPrecision
 };
 
-template <typename P, typename G, bool kMaster>
+template <typename P, typename G, MasterPrecision kMaster>
 __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const ApolloTensorPtrs& t, int64_t begin) {
   ChunkPtrs<P, G> c;
   c.param = static_cast<P*>(t.param) + begin;
@@ -144,31 +147,14 @@ __device__ __forceinline__ ChunkPtrs<P, G> chunk_ptrs(const ApolloTensorPtrs& t,
   c.exp_avg_grad = t.exp_avg_grad + begin;
   c.hessian = t.approx_hessian + begin;
   c.update = t.update + begin;
-  c.master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
+  c.master = master_at<kMaster>(t.master, begin);
   return c;
 }
 
-// The fp32 parameter the math updates: the master weight, or the parameter itself.
-template <int N, bool kMaster, typename P, typename G>
-__device__ __forceinline__ void load_param(const ChunkPtrs<P, G>& c, int i, float (&p)[N]) {
-  if constexpr (kMaster) {
-    load_elements(c.master + i, p);
-  } else {
-    load_elements(c.param + i, p);
-  }
-}
-
-// The master weight (if any) and the parameter, its rounded copy.
-template <int N, bool kMaster, typename P, typename G>
-__device__ __forceinline__ void store_param(const ChunkPtrs<P, G>& c, int i, const float (&p)[N]) {
-  if constexpr (kMaster) store_elements(c.master + i, p);
-  store_elements(c.param + i, p);
-}
-
-// Elements [i, i + N) of a chunk, one phase; N > 1 needs every pointer + i 16-byte aligned (i at
-// or after the vector head). 'reduce' adds into `partial`, 'moments' into `sum_rebound`. Loads and
+// Elements [i, i + N) of a chunk, one phase; N > 1 needs every pointer + i aligned for its vector
+// accesses (i at or after the vector head). 'reduce' adds into `partial`, 'moments' into `sum_rebound`. Loads and
 // stores are those of the host kernel (apollo_cpu.cpp), phase by phase.
-template <int N, ApolloPhase kPhase, bool kMaster, bool kL2, typename P, typename G>
+template <int N, ApolloPhase kPhase, MasterPrecision kMaster, bool kL2, typename P, typename G>
 __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, const BlockConstants& b,
                                               ApolloPartialsT<double>& partial, double& sum_rebound) {
   const ApolloStepScalars s{b.c.alpha, b.c.curr_lr, b.c.l2_decay, 0.0};  // apollo_grad reads l2_decay only
@@ -178,7 +164,7 @@ __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, c
   float hessian[N];
   float d[N];
   if constexpr (kPhase == ApolloPhase::Reduce) {
-    if constexpr (kL2) load_param<N, kMaster>(c, i, p);  // else p = 0: no parameter is read
+    if constexpr (kL2) load_weights<N, kMaster>(c.master, c.param, i, p);  // else p = 0: no parameter is read
     load_elements(c.grad + i, g);
     load_elements(c.exp_avg_grad + i, m);
     load_elements(c.hessian + i, hessian);
@@ -189,7 +175,7 @@ __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, c
   } else if constexpr (kPhase == ApolloPhase::Full || kPhase == ApolloPhase::Moments) {
     constexpr bool kFinish = kPhase == ApolloPhase::Full;
     // 'moments' without L2 decay needs no parameter (p = 0 is never read): skip the load.
-    if constexpr (kFinish || kL2) load_param<N, kMaster>(c, i, p);
+    if constexpr (kFinish || kL2) load_weights<N, kMaster>(c.master, c.param, i, p);
     load_elements(c.grad + i, g);
     load_elements(c.exp_avg_grad + i, m);
     load_elements(c.hessian + i, hessian);
@@ -207,16 +193,16 @@ __device__ __forceinline__ void step_elements(const ChunkPtrs<P, G>& c, int i, c
     store_elements(c.hessian + i, hessian);
     if constexpr (kFinish) {
       store_elements(c.update + i, d);
-      store_param<N, kMaster>(c, i, p);
+      store_weights<N, kMaster>(c.master, c.param, i, p, b.salt);
     }
   } else {  // Finish
-    load_param<N, kMaster>(c, i, p);
+    load_weights<N, kMaster>(c.master, c.param, i, p);
     load_elements(c.exp_avg_grad + i, m);
     load_elements(c.hessian + i, hessian);
 #pragma unroll
     for (int k = 0; k < N; ++k) apollo_finish_element(p[k], m[k], hessian[k], d[k], b.decay, b.c);
     store_elements(c.update + i, d);
-    store_param<N, kMaster>(c, i, p);
+    store_weights<N, kMaster>(c.master, c.param, i, p, b.salt);
   }
 }
 
@@ -254,7 +240,7 @@ __device__ __forceinline__ T block_reduce(T v) {
 // ---- the phase kernel ------------------------------------------------------------------------
 
 // One block per chunk of the tensors in `table` (see the design at the top of the file).
-template <typename P, typename G, bool kMaster, ApolloPhase kPhase, bool kL2>
+template <typename P, typename G, MasterPrecision kMaster, ApolloPhase kPhase, bool kL2>
 __global__ void __launch_bounds__(kThreads) apollo_chunks_kernel(const __grid_constant__ ApolloChunkTable table) {
   __shared__ BlockConstants block_constants;
 
@@ -265,7 +251,9 @@ __global__ void __launch_bounds__(kThreads) apollo_chunks_kernel(const __grid_co
     BlockConstants b{};
     b.skip = args.found_inf != nullptr && *args.found_inf != 0.0f;
     if (!b.skip) {
-      const ApolloStepScalars s = apollo_step_scalars(args.hyper, *tensor.step);
+      const float step = *tensor.step;
+      const ApolloStepScalars s = apollo_step_scalars(args.hyper, step);
+      b.salt = split8_salt(step);
       if constexpr (kPhase == ApolloPhase::Reduce) {
         b.c = ApolloStepConstants{s.alpha, s.curr_lr, s.l2_decay, 0.0f, 0.0f, 0.0f, 0.0f};
       } else {
@@ -376,8 +364,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // ---- host side -------------------------------------------------------------------------------
 
 // The vector head (multi_tensor.cuh) of the pointers the phase reads or writes.
-template <typename P, typename G>
-int apollo_vector_head(const ApolloTensorPtrs& t, ApolloPhase phase, bool has_master, bool l2) {
+template <typename P, typename G, MasterPrecision kMaster>
+int apollo_vector_head(const ApolloTensorPtrs& t, ApolloPhase phase, bool l2) {
   constexpr int kState = static_cast<int>(sizeof(float));
   const bool uses_grad = phase != ApolloPhase::Finish;
   const bool uses_param = phase != ApolloPhase::Reduce || l2;
@@ -386,19 +374,19 @@ int apollo_vector_head(const ApolloTensorPtrs& t, ApolloPhase phase, bool has_ma
                              {t.update, kState},
                              {t.grad, uses_grad ? static_cast<int>(sizeof(G)) : 0},
                              {t.param, uses_param ? static_cast<int>(sizeof(P)) : 0},
-                             {t.master, uses_param && has_master ? kState : 0}};
+                             master_access<kMaster, kApolloVectorElements>(t.master, uses_param)};
   return multi_tensor::vector_head(accesses);
 }
 
 // Walks the launches of one call in order: fills `table` with the next tensors (the partials of
 // consecutive launches follow one another in the workspace) and calls run(table, blocks).
-template <typename P, typename G, typename Run>
+template <typename P, typename G, MasterPrecision kMaster, typename Run>
 void for_each_launch(const ApolloLaunch& launch, bool l2, ApolloChunkTable& table, Run&& run) {
   table.args = ApolloLaunchArgs{launch.grad_scale, launch.found_inf, nullptr, launch.hyper};
   const int64_t floats_per_block = partial_floats(launch.phase);
   float* partials = static_cast<float*>(launch.workspace);
   const auto head_of = [&](const ApolloTensorPtrs& t) {
-    return apollo_vector_head<P, G>(t, launch.phase, (launch.master == MasterPrecision::Float32), l2);
+    return apollo_vector_head<P, G, kMaster>(t, launch.phase, l2);
   };
   int64_t next_tensor = 0;
   while (const int64_t blocks =
@@ -409,12 +397,12 @@ void for_each_launch(const ApolloLaunch& launch, bool l2, ApolloChunkTable& tabl
   }
 }
 
-template <typename P, typename G, bool kMaster, ApolloPhase kPhase, bool kL2>
+template <typename P, typename G, MasterPrecision kMaster, ApolloPhase kPhase, bool kL2>
 void launch_apollo_chunks(const ApolloLaunch& launch) {
   constexpr int kFields = kPartialFloats<kPhase>;
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   ApolloChunkTable table{};
-  for_each_launch<P, G>(launch, kL2, table, [&](const ApolloChunkTable& t, int64_t blocks) {
+  for_each_launch<P, G, kMaster>(launch, kL2, table, [&](const ApolloChunkTable& t, int64_t blocks) {
     launch_kernel(apollo_chunks_kernel<P, G, kMaster, kPhase, kL2>, static_cast<unsigned int>(blocks), kThreads, stream,
                   t);
     check_launch("apollo_step_cuda");
@@ -426,7 +414,7 @@ void launch_apollo_chunks(const ApolloLaunch& launch) {
   });
 }
 
-template <typename P, typename G, bool kMaster>
+template <typename P, typename G, MasterPrecision kMaster>
 void launch_apollo_phase(const ApolloLaunch& launch) {
   switch (launch.phase) {
     case ApolloPhase::Reduce:
@@ -459,11 +447,8 @@ void apollo_step_cuda(const ApolloLaunch& launch) {
     dispatch_storage_type(launch.grad_dtype, [&](auto grad_tag) {
       using P = decltype(param_tag);
       using G = decltype(grad_tag);
-      if ((launch.master == MasterPrecision::Float32)) {
-        launch_apollo_phase<P, G, true>(launch);
-      } else {
-        launch_apollo_phase<P, G, false>(launch);
-      }
+      dispatch_master<P>(launch.master,
+                         [&](auto master) { launch_apollo_phase<P, G, decltype(master)::value>(launch); });
     });
   });
 }

@@ -19,6 +19,9 @@
 //    [0, head) one at a time, then 16-byte words, then the last (< kVectorElements) elements one at
 //    a time. A tensor whose pointers differ in misalignment (head -1) is accessed one element at a
 //    time throughout.
+//  - A parameter and its master weight (master.h's MasterWeight, any MasterPrecision) are read and
+//    written as stored (load_weights, store_weights): words of 16 bytes, or 8 for the 8 one-byte
+//    low bits of a "split8" master, which the head aligns to 8 bytes only (master_access).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,10 +32,12 @@
 
 #include "fusedoff/dtypes.h"
 #include "fusedoff/macros.h"
+#include "fusedoff/master.h"
 
-// A misaligned 16-byte access faults on a GPU; the host emulation (csrc/emulation) checks each one.
+// A misaligned vector access (16 or 8 bytes) faults on a GPU; the host emulation (csrc/emulation)
+// checks each one.
 #if !defined(FUSEDOFF_CHECK_VECTOR_ACCESS)
-#define FUSEDOFF_CHECK_VECTOR_ACCESS(address) ((void)0)
+#define FUSEDOFF_CHECK_VECTOR_ACCESS(address, bytes) ((void)0)
 #endif
 
 namespace fusedoff {
@@ -89,24 +94,28 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE BlockWork block_work(const Table& table, in
   return {lo, begin, static_cast<int>(left < kChunkElements ? left : kChunkElements)};
 }
 
-// One array a kernel reads or writes: its pointer and element size, or element_bytes 0 if the
+// One array a kernel reads or writes: its pointer, element size and the alignment of its vector
+// accesses (16 bytes, or 8 for the 8-byte words of a "split8" master), or element_bytes 0 if the
 // kernel does not touch it (its pointer is then ignored).
 struct Access {
   const void* ptr;
   int element_bytes;
+  int alignment = 16;
 };
 
-// The first element index at which every accessed pointer is 16-byte aligned, or -1 if there is
-// none (their misalignments differ). Element-aligned pointers meet a 16-byte boundary every
-// 16 / element_bytes elements, so a head exists below 16 if at all: 0 for aligned tensors, and at
-// most 7 (16-bit arrays) otherwise.
+// The first element index at which every accessed pointer is aligned for its vector accesses, or -1
+// if there is none (their misalignments differ). Element-aligned pointers meet such a boundary every
+// alignment / element_bytes elements, so a head exists below 16 if at all: 0 for aligned tensors,
+// and at most 7 (16-bit arrays, and the one-byte "split8" master beside a bf16 parameter: both
+// need the head to be -offset mod 8 for a view at an element offset) otherwise. So a bf16
+// parameter's head is the same with every master precision.
 template <int kCount>
 int vector_head(const Access (&accesses)[kCount]) {
   for (int head = 0; head < 16; ++head) {
     bool aligned = true;
     for (const Access& a : accesses) {
       const uintptr_t address = reinterpret_cast<uintptr_t>(a.ptr) + static_cast<uintptr_t>(head * a.element_bytes);
-      aligned = aligned && (a.element_bytes == 0 || address % 16 == 0);
+      aligned = aligned && (a.element_bytes == 0 || address % static_cast<uintptr_t>(a.alignment) == 0);
     }
     if (aligned) return head;
   }
@@ -174,7 +183,7 @@ template <int N, typename T>
 __device__ __forceinline__ void load_vector(const T* src, float (&dst)[N]) {
   constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
   static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
-  FUSEDOFF_CHECK_VECTOR_ACCESS(src);
+  FUSEDOFF_CHECK_VECTOR_ACCESS(src, 16);
 #pragma unroll
   for (int w = 0; w < N / kPerWord; ++w) {
     const Word16<T> word = reinterpret_cast<const Word16<T>*>(src)[w];
@@ -187,7 +196,7 @@ template <int N, typename T>
 __device__ __forceinline__ void store_vector(T* dst, const float (&src)[N]) {
   constexpr int kPerWord = 16 / static_cast<int>(sizeof(T));
   static_assert(N % kPerWord == 0, "a vector step is a whole number of 16-byte words");
-  FUSEDOFF_CHECK_VECTOR_ACCESS(dst);
+  FUSEDOFF_CHECK_VECTOR_ACCESS(dst, 16);
 #pragma unroll
   for (int w = 0; w < N / kPerWord; ++w) {
     Word16<T> word;
@@ -214,6 +223,94 @@ __device__ __forceinline__ void store_elements(T* dst, const float (&src)[N]) {
   } else {
     store_vector(dst, src);
   }
+}
+
+// ---- elements as stored (no conversion) ----------------------------------------------------------
+
+// The access width for N elements of T: N * sizeof(T) bytes up to 16, whole 16-byte words above.
+template <int N, typename T>
+constexpr int kWordBytes = N * static_cast<int>(sizeof(T)) < 16 ? N * static_cast<int>(sizeof(T)) : 16;
+
+template <typename T, int kBytes>
+struct alignas(kBytes) StoredWord {
+  T elems[kBytes / sizeof(T)];
+};
+
+// N elements at `src` as stored: one scalar access for N == 1 (any alignment), else words of
+// kWordBytes<N, T> aligned to their size.
+template <int N, typename T>
+__device__ __forceinline__ void load_stored(const T* src, T (&dst)[N]) {
+  if constexpr (N == 1) {
+    dst[0] = *src;
+  } else {
+    constexpr int kBytes = kWordBytes<N, T>;
+    constexpr int kPerWord = kBytes / static_cast<int>(sizeof(T));
+    static_assert(N % kPerWord == 0 && (kBytes & (kBytes - 1)) == 0, "whole words of a power-of-two size");
+    FUSEDOFF_CHECK_VECTOR_ACCESS(src, kBytes);
+#pragma unroll
+    for (int w = 0; w < N / kPerWord; ++w) {
+      const StoredWord<T, kBytes> word = reinterpret_cast<const StoredWord<T, kBytes>*>(src)[w];
+#pragma unroll
+      for (int k = 0; k < kPerWord; ++k) dst[w * kPerWord + k] = word.elems[k];
+    }
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_stored(T* dst, const T (&src)[N]) {
+  if constexpr (N == 1) {
+    *dst = src[0];
+  } else {
+    constexpr int kBytes = kWordBytes<N, T>;
+    constexpr int kPerWord = kBytes / static_cast<int>(sizeof(T));
+    static_assert(N % kPerWord == 0 && (kBytes & (kBytes - 1)) == 0, "whole words of a power-of-two size");
+    FUSEDOFF_CHECK_VECTOR_ACCESS(dst, kBytes);
+#pragma unroll
+    for (int w = 0; w < N / kPerWord; ++w) {
+      StoredWord<T, kBytes> word;
+#pragma unroll
+      for (int k = 0; k < kPerWord; ++k) word.elems[k] = src[w * kPerWord + k];
+      reinterpret_cast<StoredWord<T, kBytes>*>(dst)[w] = word;
+    }
+  }
+}
+
+// ---- a parameter and its master weight ----------------------------------------------------------
+
+// The Access (for vector_head) of a master weight stored as M in vector steps of kVec elements;
+// none without a master, or where the kernel does not touch it (`used` false).
+template <MasterPrecision M, int kVec>
+Access master_access(const void* master, bool used = true) {
+  using S = master_storage_t<M>;
+  if (M == MasterPrecision::None || !used) return {master, 0};
+  return {master, static_cast<int>(sizeof(S)), kWordBytes<kVec, S>};
+}
+
+// Elements [i, i + N) of parameter `param` and master `master` (both at the chunk's base): the fp32
+// values the update starts from (MasterWeight::load over the loaded words). N > 1 needs every
+// pointer + i aligned (i at or after the vector head).
+template <int N, MasterPrecision M, typename P>
+__device__ __forceinline__ void load_weights(const void* master, const P* param, int i, float (&p)[N]) {
+  using S = master_storage_t<M>;
+  P param_elems[N];
+  S master_elems[N];
+  if constexpr (M != MasterPrecision::Float32) load_stored(param + i, param_elems);  // split: the high half
+  if constexpr (M != MasterPrecision::None) load_stored(static_cast<const S*>(master) + i, master_elems);
+#pragma unroll
+  for (int k = 0; k < N; ++k) p[k] = MasterWeight<M, P>::load(master_elems, param_elems, k);
+}
+
+// Writes the updated fp32 values of elements [i, i + N) to the parameter and its master
+// (MasterWeight::store; `salt` is split8_salt of the tensor's step).
+template <int N, MasterPrecision M, typename P>
+__device__ __forceinline__ void store_weights(void* master, P* param, int i, const float (&p)[N], uint32_t salt) {
+  using S = master_storage_t<M>;
+  P param_elems[N];
+  S master_elems[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) MasterWeight<M, P>::store(master_elems, param_elems, k, p[k], salt);
+  store_stored(param + i, param_elems);
+  if constexpr (M != MasterPrecision::None) store_stored(static_cast<S*>(master) + i, master_elems);
 }
 
 }  // namespace multi_tensor

@@ -12,8 +12,8 @@
 //  - `__shfl_sync`, `__shfl_xor_sync`, `__shfl_down_sync`, `__shfl_up_sync` on 4- and 8-byte
 //    values: an exchange among the lanes of one warp named in the mask, every one of which must
 //    reach the same shuffle with the same mask; a source lane outside the mask is reported.
-//  - 16-byte vector accesses (multi_tensor.cuh's load_vector/store_vector) checked for 16-byte
-//    alignment: a misaligned one faults on a GPU.
+//  - Vector accesses (multi_tensor.cuh's load_vector/store_vector, 16 bytes; load_stored/
+//    store_stored, 16 or 8) checked for alignment to their size: a misaligned one faults on a GPU.
 //  - A launch checks its grid and block against the device limits and its parameters against the
 //    4 KB kernel-parameter limit, and fails through cudaGetLastError as a launch would.
 //  - cudaStream_t, cudaError_t, cudaGetLastError, cudaGetErrorString. Streams are one queue: a
@@ -106,8 +106,8 @@ void sync_threads();
 // source lane (or its own where the source is outside the width segment).
 std::uint64_t warp_shuffle(ShuffleKind kind, unsigned int mask, std::uint64_t bits, int operand, int width);
 
-// A 16-byte vector access at `address`: faults unless it is 16-byte aligned.
-void check_vector_access(const void* address);
+// A vector access of `bytes` (16 or 8) at `address`: faults unless it is aligned to its size.
+void check_vector_access(const void* address, int bytes);
 
 template <typename T>
 T shuffle(ShuffleKind kind, unsigned int mask, T value, int operand, int width) {
@@ -169,5 +169,5 @@ T __shfl_up_sync(unsigned int mask, T value, unsigned int delta, int width = war
                                       width);
 }
 
-// multi_tensor.cuh's hook on every 16-byte access.
-#define FUSEDOFF_CHECK_VECTOR_ACCESS(address) ::fusedoff::emulation::check_vector_access(address)
+// multi_tensor.cuh's hook on every vector access.
+#define FUSEDOFF_CHECK_VECTOR_ACCESS(address, bytes) ::fusedoff::emulation::check_vector_access(address, bytes)

@@ -552,10 +552,10 @@ std::uint64_t warp_shuffle(ShuffleKind kind, unsigned int mask, std::uint64_t bi
   return fiber.shuffle.result;
 }
 
-void check_vector_access(const void* address) {
-  if (reinterpret_cast<std::uintptr_t>(address) % 16 == 0) return;
+void check_vector_access(const void* address, int bytes) {
+  if (reinterpret_cast<std::uintptr_t>(address) % static_cast<std::uintptr_t>(bytes) == 0) return;
   char text[96];
-  std::snprintf(text, sizeof(text), "a 16-byte access at %p, which is not 16-byte aligned", address);
+  std::snprintf(text, sizeof(text), "a %d-byte access at %p, which is not %d-byte aligned", bytes, address, bytes);
   fault(cudaErrorMisalignedAddress, text);
 }
 

@@ -37,8 +37,9 @@ How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from ad
   about an ulp, not bit for bit.
 - Loads upcast to fp32 in registers; stores round to nearest even (Triton's default fp downcast;
   under the interpreter, bf16 is rounded in integer arithmetic, see ``triton_common.round_to_bf16``).
-  With master weights, the fp32 master is the parameter the math updates and the param receives its
-  rounded copy.
+  With master weights (``MASTER``: fp32, or "split"/"split8" low bits beside a bf16 param), the
+  master is the parameter the math updates and the param receives its rounding: the
+  ``load_weights``/``store_weights`` of ``triton_common``, a mirror of master.h.
 - ``found_inf`` is loaded in the kernel: where it is non-zero every load and store is masked off, so
   nothing changes and the host never waits for the device. ``grad_scale`` is loaded likewise.
 """
@@ -65,6 +66,8 @@ from fusedoff.kernels.triton_common import (
     fp64_pow,
     load_grad_scale,
     load_weights,
+    master_mode,
+    master_storage_dtype,
     program_block,
     store_weights,
 )
@@ -129,7 +132,7 @@ def _adam_kernel(
     exp_avg_ptr,
     exp_avg_sq_ptr,
     max_exp_avg_sq_ptr,  # None unless AMSGRAD
-    master_ptr,  # None unless HAS_MASTER
+    master_ptr,  # None unless MASTER
     step_ptr,
     grad_scale_ptr,  # None unless HAS_GRAD_SCALE
     found_inf_ptr,  # None unless HAS_FOUND_INF
@@ -140,7 +143,7 @@ def _adam_kernel(
     eps: tl.float64,
     weight_decay: tl.float64,
     AMSGRAD: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
+    MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
@@ -152,9 +155,10 @@ def _adam_kernel(
     """One tensor's Adam step over BLOCK_SIZE elements per program (the loop of csrc/cpu/adam_cpu.cpp)."""
     pid, offsets, mask = program_block(numel, found_inf_ptr, HAS_FOUND_INF, INDEX_64, BLOCK_SIZE)
     grad_scale = load_grad_scale(grad_scale_ptr, HAS_GRAD_SCALE)
-    s = _adam_scalars(lr, beta1, beta2, eps, weight_decay, tl.load(step_ptr), DECOUPLED_WEIGHT_DECAY, MAXIMIZE)
+    step = tl.load(step_ptr)
+    s = _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, DECOUPLED_WEIGHT_DECAY, MAXIMIZE)
 
-    p = load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER)
+    p = load_weights(param_ptr, master_ptr, offsets, mask, MASTER)
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
@@ -169,12 +173,13 @@ def _adam_kernel(
     tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
     if AMSGRAD:
         tl.store(max_exp_avg_sq_ptr + offsets, vmax, mask=mask)
-    store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER, ROUND_BF16_IN_SOFTWARE)
+    store_weights(param_ptr, master_ptr, offsets, p, mask, step, MASTER, ROUND_BF16_IN_SOFTWARE)
 
 
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad,
-                grad_scale, found_inf) -> None:
-    """The checks of ``describe_adam_call`` in csrc/ops.cpp, all made before anything is written."""
+                grad_scale, found_inf) -> int:
+    """The checks of ``describe_adam_call`` in csrc/ops.cpp, all made before anything is written;
+    returns the call's MASTER."""
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n):
         raise ValueError("fusedoff: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length")
@@ -182,8 +187,9 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
         raise ValueError("fusedoff: max_exp_avg_sqs must have one tensor per parameter with amsgrad, none without")
     if master_params and len(master_params) != n:
         raise ValueError("fusedoff: master_params must be empty or have one tensor per parameter")
+    master = master_mode(master_params, params)
     if n == 0:
-        return
+        return master
     device = check_call_device(params, grads, grad_scale, found_inf, __name__)
     for i, (p, g) in enumerate(zip(params, grads)):
         check_param_and_grad(i, p, g, params, grads, device)
@@ -192,8 +198,9 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_pa
         if amsgrad:
             check_state(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i)
         if master_params:
-            check_state(master_params[i], p, "master_params", i)
+            check_state(master_params[i], p, "master_params", i, master_storage_dtype(master))
         check_step(steps[i], i, device)
+    return master
 
 
 def adam_step_(
@@ -212,8 +219,8 @@ def adam_step_(
     """In-place Adam/AdamW step, one kernel launch per non-empty tensor; the arguments are those of
     ``fusedoff.ops.adam_step_`` (``steps`` hold each tensor's count after this step's increment)."""
     amsgrad = hyper.amsgrad
-    _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad,
-                grad_scale, found_inf)
+    master = _check_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad,
+                         grad_scale, found_inf)
     if not params:
         return
     device = params[0].device
@@ -241,7 +248,7 @@ def adam_step_(
                 hyper.eps,
                 hyper.weight_decay,
                 AMSGRAD=amsgrad,
-                HAS_MASTER=bool(master_params),
+                MASTER=master,
                 HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None,
                 DECOUPLED_WEIGHT_DECAY=hyper.decoupled_weight_decay,

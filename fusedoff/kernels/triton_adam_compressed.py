@@ -5,8 +5,8 @@ Per element, the update of ``triton_adam`` (its ``_adam_scalars`` and ``_adam_up
 after it in the same pass, as [note: compressed states] in ``csrc/include/fusedoff/state_codec.h``
 describes: bf16 states written with stochastic rounding, or 8-bit codes with one fp32 absmax per
 block of ``QUANT_BLOCK`` elements (decoded with the old absmax, encoded with the block's new one).
-The codec below is a line-for-line mirror of state_codec.h: ``_mix32`` is ``mix32``,
-``_rounding_step_key`` ``rounding_step_key``, ``_rounding_bits`` ``rounding_bits``,
+The codec below is a line-for-line mirror of state_codec.h (with ``triton_common``'s ``mix32`` and
+``rounding_step_key``, which master weights share): ``_rounding_bits`` is ``rounding_bits``,
 ``_float_to_bf16_stochastic`` ``float_to_bf16_stochastic``, ``_magnitude_code`` ``magnitude_code``,
 ``_encode_signed``/``_decode_signed``, ``_encode_unsigned``/``_decode_unsigned`` and
 ``_finite_magnitude`` their namesakes. Change one, change the other, and ``fusedoff/kernels/codec.py``;
@@ -17,7 +17,8 @@ How it stays faithful to the C++:
 - The conventions of ``triton_adam.py``: fp64 run-time hyperparameters, only mode flags
   ``tl.constexpr``; the step count, ``grad_scale`` and ``found_inf`` loaded in the kernel (no host
   sync; with ``found_inf`` non-zero every access is masked off, so nothing changes); IEEE ``div_rn``
-  and ``sqrt_rn``; stores of the weights round to nearest even. One launch per non-empty tensor.
+  and ``sqrt_rn``; the weights and their master (``MASTER``) read and written by ``triton_common``'s
+  ``load_weights``/``store_weights``. One launch per non-empty tensor.
 - The codec works on bit views (``.to(tl.uint32, bitcast=True)``) in ``tl.uint32``: a Python int
   operand takes the tensor's type (Triton range-checks it), multiplications wrap mod 2^32 as in C++
   and shifts are logical. Where a wrap is meant (the hash; ``normal - bias`` below the smallest
@@ -63,7 +64,11 @@ from fusedoff.kernels.triton_common import (
     check_step,
     load_grad_scale,
     load_weights,
+    master_mode,
+    master_storage_dtype,
+    mix32,
     program_block,
+    rounding_step_key,
     store_weights,
 )
 
@@ -80,25 +85,10 @@ _UNSIGNED_INF = tl.constexpr(codec.UNSIGNED_INF)
 
 # ---- the counter-based random stream (uint32 tensors) ---------------------------------------------
 @triton.jit
-def _mix32(x):
-    x ^= x >> 16
-    x = tl.mul(x, 0x7FEB352D, sanitize_overflow=False)
-    x ^= x >> 15
-    x = tl.mul(x, 0x846CA68B, sanitize_overflow=False)
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def _rounding_step_key(tensor_key, step):
-    return _mix32(tensor_key ^ _mix32(step))
-
-
-@triton.jit
 def _rounding_bits(step_key, index):
     """32 random bits for the elements at int64 ``index`` of the tensor."""
     high = tl.mul((index >> 32).to(tl.uint32), 0x9E3779B9, sanitize_overflow=False)
-    return _mix32(index.to(tl.uint32) ^ step_key ^ high)  # int64 -> uint32 keeps the low half
+    return mix32(index.to(tl.uint32) ^ step_key ^ high)  # int64 -> uint32 keeps the low half
 
 
 # ---- bf16 with stochastic rounding ------------------------------------------------------------
@@ -186,7 +176,7 @@ def _adam_compressed_kernel(
     exp_avg_sq_ptr,
     exp_avg_absmax_ptr,  # None unless BLOCK8
     exp_avg_sq_absmax_ptr,  # None unless BLOCK8
-    master_ptr,  # None unless HAS_MASTER
+    master_ptr,  # None unless MASTER
     step_ptr,
     grad_scale_ptr,  # None unless HAS_GRAD_SCALE
     found_inf_ptr,  # None unless HAS_FOUND_INF
@@ -199,7 +189,7 @@ def _adam_compressed_kernel(
     eps: tl.float64,
     weight_decay: tl.float64,
     BLOCK8: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
+    MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     DECOUPLED_WEIGHT_DECAY: tl.constexpr,
@@ -218,7 +208,7 @@ def _adam_compressed_kernel(
     step = tl.load(step_ptr)
     s = _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, DECOUPLED_WEIGHT_DECAY, MAXIMIZE)
 
-    p = load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER)
+    p = load_weights(param_ptr, master_ptr, offsets, mask, MASTER)
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     if BLOCK8:
         blocks = pid * ROWS + tl.arange(0, ROWS)  # this program's blocks, one per row
@@ -242,26 +232,27 @@ def _adam_compressed_kernel(
         tl.store(exp_avg_sq_ptr + offsets, _encode_unsigned(v, v_max[:, None]), mask=mask)
     else:
         # (The interpreter passes a key below 2^31 as int32: the cast makes it uint32 there too.)
-        step_key = _rounding_step_key(tensor_key.to(tl.uint32), step.to(tl.uint32))
+        step_key = rounding_step_key(tensor_key.to(tl.uint32), step.to(tl.uint32))
         bits = _rounding_bits(step_key, offsets.to(tl.int64) + offset)
         tl.store(exp_avg_ptr + offsets, _float_to_bf16_stochastic(m, bits & 0xFFFF), mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, _float_to_bf16_stochastic(v, bits >> 16), mask=mask)
-    store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER, ROUND_BF16_IN_SOFTWARE)
+    store_weights(param_ptr, master_ptr, offsets, p, mask, step, MASTER, ROUND_BF16_IN_SOFTWARE)
 
 
 # ---- argument checks and the launcher -----------------------------------------------------------
 def _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params, steps,
-                offsets, tensor_keys, grad_scale, found_inf) -> bool:
+                offsets, tensor_keys, grad_scale, found_inf) -> tuple[bool, int]:
     """The checks of ``describe_compressed_adam_call`` in csrc/ops.cpp, all made before anything is
-    written; returns whether the states are 8-bit."""
+    written; returns whether the states are 8-bit, and the call's MASTER."""
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == len(offsets) == len(tensor_keys) == n):
         raise ValueError("fusedoff: params, grads, exp_avgs, exp_avg_sqs, steps, offsets and tensor_keys must have "
                          "the same length")
     if master_params and len(master_params) != n:
         raise ValueError("fusedoff: master_params must be empty or have one tensor per parameter")
+    master = master_mode(master_params, params)
     if n == 0:
-        return False
+        return False, master
     state_dtype = exp_avgs[0].dtype
     if state_dtype not in (torch.bfloat16, torch.uint8):
         raise ValueError(f"fusedoff: compressed states are bfloat16 or uint8 (8-bit codes), got {state_dtype}")
@@ -280,13 +271,13 @@ def _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_s
             check_state(exp_avg_absmaxs[i], p, "exp_avg_absmaxs", i, torch.float32, blocks)
             check_state(exp_avg_sq_absmaxs[i], p, "exp_avg_sq_absmaxs", i, torch.float32, blocks)
         if master_params:
-            check_state(master_params[i], p, "master_params", i)
+            check_state(master_params[i], p, "master_params", i, master_storage_dtype(master))
         if offsets[i] < 0 or (block8 and offsets[i] % codec.QUANT_BLOCK != 0):
             raise ValueError(f"fusedoff: offsets[{i}] is {offsets[i]}; ranges of 8-bit states start on a block of "
                              f"{codec.QUANT_BLOCK} elements")
         if not 0 <= tensor_keys[i] <= 0xFFFFFFFF:
             raise ValueError(f"fusedoff: tensor_keys[{i}] must be a 32-bit unsigned value")
-    return block8
+    return block8, master
 
 
 
@@ -308,8 +299,8 @@ def adam_compressed_step_(
 ) -> None:
     """In-place Adam/AdamW step on compressed moments, one kernel launch per non-empty tensor; the
     arguments are those of ``fusedoff.ops.adam_compressed_step_``."""
-    block8 = _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs, master_params,
-                         steps, offsets, tensor_keys, grad_scale, found_inf)
+    block8, master = _check_call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmaxs, exp_avg_sq_absmaxs,
+                                 master_params, steps, offsets, tensor_keys, grad_scale, found_inf)
     if not params:
         return
     device = params[0].device
@@ -340,7 +331,7 @@ def adam_compressed_step_(
                 hyper.eps,
                 hyper.weight_decay,
                 BLOCK8=block8,
-                HAS_MASTER=bool(master_params),
+                MASTER=master,
                 HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None,
                 DECOUPLED_WEIGHT_DECAY=hyper.decoupled_weight_decay,

@@ -51,7 +51,9 @@ How it stays faithful to the C++ (the conventions of ``triton_adam.py``):
   row, and ``_apollo_combine_kernel`` (one program per tensor) adds the rows in float64 in a fixed
   order into ``stats``, as apollo_cpu.cpp adds its block partials in double.
 - Loads upcast to fp32 in registers; stores round to nearest even (``triton_common.round_to_bf16``
-  under the interpreter). With master weights the fp32 master is the parameter the math updates.
+  under the interpreter). With master weights (``MASTER``: fp32, or "split"/"split8" low bits beside
+  a bf16 param) the master is the parameter the math updates and the param its rounding:
+  ``triton_common``'s ``load_weights``/``store_weights``, a mirror of master.h.
 - ``found_inf`` is loaded in the kernels: where it is non-zero every access is masked off and
   ``stats`` is not written, so nothing changes (to the bit) and the host never waits.
 
@@ -90,6 +92,8 @@ from fusedoff.kernels.triton_common import (
     fp64_pow,
     load_grad_scale,
     load_weights,
+    master_mode,
+    master_storage_dtype,
     program_block,
     store_weights,
 )
@@ -237,7 +241,7 @@ def _apollo_reduce_kernel(
     exp_avg_grad_ptr,
     hessian_ptr,
     update_ptr,
-    master_ptr,  # None unless HAS_MASTER
+    master_ptr,  # None unless MASTER
     step_ptr,
     grad_scale_ptr,  # None unless HAS_GRAD_SCALE
     found_inf_ptr,  # None unless HAS_FOUND_INF
@@ -250,7 +254,7 @@ def _apollo_reduce_kernel(
     beta: tl.float64,
     weight_decay: tl.float64,
     DECAY: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
+    MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     INDEX_64: tl.constexpr,
@@ -262,7 +266,7 @@ def _apollo_reduce_kernel(
     alpha, curr_lr, l2_decay = _apollo_step_scalars(lr, base_lr, init_lr, warmup_steps, beta, weight_decay,
                                                     tl.load(step_ptr), DECAY)
     if DECAY == _L2:
-        p = load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER)
+        p = load_weights(param_ptr, master_ptr, offsets, mask, MASTER)
     else:
         p = 0.0
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -289,7 +293,7 @@ def _apollo_apply_kernel(
     exp_avg_grad_ptr,
     hessian_ptr,
     update_ptr,
-    master_ptr,  # None unless HAS_MASTER
+    master_ptr,  # None unless MASTER
     step_ptr,
     stats_ptr,  # fp64, the whole tensor's NUM_STATS
     grad_scale_ptr,  # None unless HAS_GRAD_SCALE
@@ -307,7 +311,7 @@ def _apollo_apply_kernel(
     PHASE: tl.constexpr,
     BELIEF: tl.constexpr,
     DECAY: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
+    MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     INDEX_64: tl.constexpr,
@@ -317,13 +321,14 @@ def _apollo_apply_kernel(
     """'full' and 'moments' (``ApplyRange``), 'finish' (``FinishRange``), from the reduced stats."""
     pid, offsets, mask = program_block(numel, found_inf_ptr, HAS_FOUND_INF, INDEX_64, BLOCK_SIZE)
     grad_scale = load_grad_scale(grad_scale_ptr, HAS_GRAD_SCALE)
+    step = tl.load(step_ptr)
     alpha, curr_lr, l2_decay = _apollo_step_scalars(lr, base_lr, init_lr, warmup_steps, beta, weight_decay,
-                                                    tl.load(step_ptr), DECAY)
+                                                    step, DECAY)
     den, delta, rebound_floor, rebound_shift = _apollo_step_constants(eps, alpha, stats_ptr, BELIEF)
 
     # 'moments' reads p only for L2 decay (which never runs it; the C++ loads it and adds 0 * p).
     if PHASE != _MOMENTS or DECAY == _L2:
-        p = load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER)
+        p = load_weights(param_ptr, master_ptr, offsets, mask, MASTER)
     else:
         p = 0.0
     m = tl.load(exp_avg_grad_ptr + offsets, mask=mask, other=0.0)
@@ -343,7 +348,7 @@ def _apollo_apply_kernel(
         decay = _apollo_decay_coefficient(weight_decay, stats_ptr, total_numel, DECAY)
         p, d = _apollo_finish_element(p, m, b, decay, curr_lr, rebound_floor, rebound_shift)
         tl.store(update_ptr + offsets, d, mask=mask)
-        store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER, ROUND_BF16_IN_SOFTWARE)
+        store_weights(param_ptr, master_ptr, offsets, p, mask, step, MASTER, ROUND_BF16_IN_SOFTWARE)
 
 
 @triton.jit
@@ -412,9 +417,9 @@ def _parse_modes(phase: str, rebound: str, weight_decay: float, weight_decay_typ
 
 
 def _check_call(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps, stats, total_numels,
-                phase, rebound, weight_decay, weight_decay_type, grad_scale, found_inf) -> tuple[int, bool, int]:
+                phase, rebound, weight_decay, weight_decay_type, grad_scale, found_inf) -> tuple[int, bool, int, int]:
     """The checks of ``describe_apollo_call`` in csrc/ops.cpp, all made before anything is written;
-    returns the modes (phase, belief, decay)."""
+    returns the modes (phase, belief, decay, MASTER)."""
     n = len(params)
     if not (len(grads) == len(exp_avg_grads) == len(approx_hessians) == len(updates) == len(steps) == len(stats)
             == len(total_numels) == n):
@@ -424,7 +429,7 @@ def _check_call(params, grads, exp_avg_grads, approx_hessians, updates, master_p
         )
     if master_params and len(master_params) != n:
         raise ValueError("fusedoff: master_params must be empty or have one tensor per parameter")
-    modes = _parse_modes(phase, rebound, weight_decay, weight_decay_type)
+    modes = (*_parse_modes(phase, rebound, weight_decay, weight_decay_type), master_mode(master_params, params))
     if n == 0:
         return modes
     device = check_call_device(params, grads, grad_scale, found_inf, __name__)
@@ -434,7 +439,7 @@ def _check_call(params, grads, exp_avg_grads, approx_hessians, updates, master_p
         check_state(approx_hessians[i], p, "approx_hessians", i)
         check_state(updates[i], p, "updates", i)
         if master_params:
-            check_state(master_params[i], p, "master_params", i)
+            check_state(master_params[i], p, "master_params", i, master_storage_dtype(modes[-1]))
         check_step(steps[i], i, device)
         s = stats[i]
         if s.numel() != NUM_STATS or s.dtype != torch.float64 or s.device != device or not s.is_contiguous():
@@ -471,9 +476,9 @@ def apollo_step_(
     the tensor's block partials into its stats: the price of a deterministic reduction without
     atomics and without a host sync.
     """
-    phase_id, belief, decay = _check_call(params, grads, exp_avg_grads, approx_hessians, updates, master_params, steps,
-                                          stats, total_numels, phase, hyper.rebound, hyper.weight_decay,
-                                          hyper.weight_decay_type, grad_scale, found_inf)
+    phase_id, belief, decay, stored_as = _check_call(params, grads, exp_avg_grads, approx_hessians, updates,
+                                                     master_params, steps, stats, total_numels, phase, hyper.rebound,
+                                                     hyper.weight_decay, hyper.weight_decay_type, grad_scale, found_inf)
     if not params:
         return
     device = params[0].device
@@ -483,7 +488,7 @@ def apollo_step_(
         width = 4 if phase_id == PHASE_REDUCE else 1
         partials = torch.empty(sum(num_blocks) * width, dtype=torch.float32, device=device)
     schedule = (hyper.lr, hyper.base_lr, hyper.init_lr, hyper.warmup, hyper.beta)
-    flags = dict(DECAY=decay, HAS_MASTER=bool(master_params), HAS_GRAD_SCALE=grad_scale is not None,
+    flags = dict(DECAY=decay, MASTER=stored_as, HAS_GRAD_SCALE=grad_scale is not None,
                  HAS_FOUND_INF=found_inf is not None, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS)
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     first_row = 0

@@ -1,6 +1,6 @@
 """What the Triton backends share: launch shape, fp64 ``pow``, the interpreter's bf16 rounding, a
-program's block (with found_inf), the loads and stores of the weights, and the argument checks that
-mirror csrc/ops.cpp.
+program's block (with found_inf), the counter-based random stream, the loads and stores of the
+weights and their master weights, and the argument checks that mirror csrc/ops.cpp.
 
 Importing this module decorates its kernels' helpers, which is when Triton decides whether it runs
 through its interpreter: ``INTERPRETED`` records that decision (TRITON_INTERPRET=1 must be set before).
@@ -75,30 +75,128 @@ def load_grad_scale(grad_scale_ptr, HAS_GRAD_SCALE: tl.constexpr):
     return grad_scale
 
 
+# ---- the counter-based random stream of state_codec.h (uint32 tensors) ---------------------------
+# In tl.uint32 a Python int operand takes the tensor's type, multiplications wrap mod 2^32 as in C++
+# and shifts are logical; where a wrap is meant the operation says ``sanitize_overflow=False`` (a
+# debug build, TRITON_DEBUG=1, asserts on any other overflow).
 @triton.jit
-def load_weights(param_ptr, master_ptr, offsets, mask, HAS_MASTER: tl.constexpr):
-    """The fp32 weights the math updates: the master if there is one, else the param upcast.
+def mix32(x):
+    """``mix32`` of state_codec.h."""
+    x ^= x >> 16
+    x = tl.mul(x, 0x7FEB352D, sanitize_overflow=False)
+    x ^= x >> 15
+    x = tl.mul(x, 0x846CA68B, sanitize_overflow=False)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def rounding_step_key(tensor_key, step):
+    """``rounding_step_key`` of state_codec.h (``step``: uint32)."""
+    return mix32(tensor_key ^ mix32(step))
+
+
+# ---- master weights: a line-for-line mirror of csrc/include/fusedoff/master.h --------------------
+# MASTER, how a call's master weights are stored: master.h's MasterPrecision.
+MASTER_NONE = tl.constexpr(0)
+MASTER_FP32 = tl.constexpr(1)
+MASTER_SPLIT = tl.constexpr(2)  # int16: the low 16 bits; the bf16 param is the upper half
+MASTER_SPLIT8 = tl.constexpr(3)  # uint8: bits 8-15 of the master rounded stochastically to 24 bits
+_MASTER_OF_DTYPE = {torch.float32: MASTER_FP32.value, torch.int16: MASTER_SPLIT.value,
+                    torch.uint8: MASTER_SPLIT8.value}
+
+
+@triton.jit
+def master_to_bf16_bits(value):
+    """``master_to_bf16_bits``: the bf16 bits (uint32) of the parameter of fp32 master ``value``,
+    rounded to nearest with ties away from zero; NaN quieted."""
+    u = value.to(tl.uint32, bitcast=True)
+    nan = (u >> 16) | 0x0040
+    rounded = tl.add(u, 0x8000, sanitize_overflow=False) >> 16  # wraps only for a NaN, which takes `nan`
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, nan, rounded)
+
+
+@triton.jit
+def join_master(param_bits, low_bits):
+    """``join_master``: the master whose rounding is the bf16 ``param_bits`` and whose low 16 bits are
+    ``low_bits`` (both uint32 holding 16 bits)."""
+    high = param_bits << 16
+    offset = tl.sub(low_bits, (low_bits & 0x8000) << 1, sanitize_overflow=False)  # int16 -> uint32, sign-extended
+    nan = (param_bits & 0x7FFF) > 0x7F80
+    return tl.where(nan, high | low_bits, tl.add(high, offset, sanitize_overflow=False)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split8_salt(step):
+    """``split8_salt``: the key of one step's random bytes for "split8" (``step``: the fp32 count
+    after this step's increment)."""
+    return rounding_step_key(tl.full((), 0x5B1175A8, tl.uint32), step.to(tl.uint32))
+
+
+@triton.jit
+def round_master_split8(value, salt):
+    """``round_master_split8``: ``value`` rounded stochastically to a multiple of 256 in its bits."""
+    u = value.to(tl.uint32, bitcast=True)
+    random = mix32(u ^ salt) & 0xFF
+    up = tl.add(u, random, sanitize_overflow=False) & 0xFFFFFF00  # wraps only for a NaN
+    down = u & 0xFFFFFF00
+    finite = (u & 0x7F800000) != 0x7F800000
+    overflowed = finite & ((up & 0x7F800000) == 0x7F800000)
+    rounded = tl.where(overflowed, down, up)
+    nan = (u | 0x00400000) & 0xFFFFFF00
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, nan, rounded).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_weights(param_ptr, master_ptr, offsets, mask, MASTER: tl.constexpr):
+    """``MasterWeight::load``: the fp32 weights the math updates: the master as stored (whole, or
+    joined from the bf16 param and its low bits), else the param upcast.
 
     Masked-off lanes are undefined (no ``other=``, which keeps triton_adam's code as it was): a
     caller that reduces over the block masks the terms.
     """
-    if HAS_MASTER:
+    if MASTER == MASTER_FP32:
         p = tl.load(master_ptr + offsets, mask=mask)
+    elif MASTER == MASTER_SPLIT:
+        param_bits = tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
+        low = tl.load(master_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
+        p = join_master(param_bits, low)
+    elif MASTER == MASTER_SPLIT8:
+        param_bits = tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
+        low = tl.load(master_ptr + offsets, mask=mask).to(tl.uint32) << 8
+        p = join_master(param_bits, low)
     else:
         p = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
     return p
 
 
 @triton.jit
-def store_weights(param_ptr, master_ptr, offsets, p, mask, HAS_MASTER: tl.constexpr,
+def store_weights(param_ptr, master_ptr, offsets, p, mask, step, MASTER: tl.constexpr,
                   ROUND_BF16_IN_SOFTWARE: tl.constexpr):
-    """Writes the updated fp32 weights: the master as is, the param rounded to nearest even."""
-    if HAS_MASTER:
-        tl.store(master_ptr + offsets, p, mask=mask)
-    if ROUND_BF16_IN_SOFTWARE:
-        tl.store(param_ptr + offsets, round_to_bf16(p), mask=mask)
+    """``MasterWeight::store``: writes the updated fp32 weights ``p``. Without a master the param is
+    ``p`` rounded to nearest even; with one it is the master's rounding (bf16: ties away from zero,
+    ``master_to_bf16_bits``), and the master is written as stored ("split8": after
+    ``round_master_split8`` with the salt of the tensor's ``step``)."""
+    if MASTER == MASTER_NONE:
+        if ROUND_BF16_IN_SOFTWARE:
+            tl.store(param_ptr + offsets, round_to_bf16(p), mask=mask)
+        else:
+            tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+        if MASTER == MASTER_SPLIT8:
+            p = round_master_split8(p, split8_salt(step))
+        if param_ptr.dtype.element_ty == tl.bfloat16:
+            param = master_to_bf16_bits(p).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:  # fp16 (never split) rounds to nearest even; an fp32 param is the master
+            param = p.to(param_ptr.dtype.element_ty)
+        tl.store(param_ptr + offsets, param, mask=mask)
+        bits = p.to(tl.uint32, bitcast=True)
+        if MASTER == MASTER_FP32:
+            tl.store(master_ptr + offsets, p, mask=mask)
+        elif MASTER == MASTER_SPLIT:
+            tl.store(master_ptr + offsets, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(master_ptr + offsets, ((bits >> 8) & 0xFF).to(tl.uint8), mask=mask)
 
 
 # Triton picks the interpreter when a function is decorated, i.e. when this module is imported, so
@@ -126,6 +224,25 @@ def check_state(state: Tensor, param: Tensor, what: str, index: int, dtype: torc
         )
     if numel is not None and state.numel() != numel:
         raise ValueError(f"fusedoff: {what}[{index}] has {state.numel()} elements, expected {numel}")
+
+
+def master_mode(master_params, params) -> int:
+    """The MASTER of a call (``master_precision_of`` in csrc/ops.cpp: the master tensors' dtype says
+    how they are stored) and its checks: fp32 whole, int16 or uint8 low bits beside bf16 params."""
+    if not master_params or not params:
+        return MASTER_FP32.value if master_params else MASTER_NONE.value
+    dtype = master_params[0].dtype
+    if dtype not in _MASTER_OF_DTYPE:
+        raise ValueError(f"fusedoff: master_params are float32 (whole), int16 or uint8 (split), got {dtype}")
+    if dtype != torch.float32 and params[0].dtype != torch.bfloat16:
+        raise ValueError(f"fusedoff: a split master weight ({dtype} low bits) needs bfloat16 parameters, got "
+                         f"{params[0].dtype}")
+    return _MASTER_OF_DTYPE[dtype]
+
+
+def master_storage_dtype(mode: int) -> torch.dtype:
+    """How each master tensor of a call of MASTER ``mode`` is stored (``master_storage_type``)."""
+    return next((dtype for dtype, m in _MASTER_OF_DTYPE.items() if m == mode), torch.float32)
 
 
 def check_scalar(t: Tensor | None, device: torch.device, what: str) -> None:

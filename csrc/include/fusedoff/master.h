@@ -118,10 +118,26 @@ struct MasterWeight {
   }
 };
 
+// The storage of one element of a master weight stored as M (None: none is stored; float stands in).
+template <MasterPrecision M>
+struct MasterStorage {
+  using type = float;
+};
+template <>
+struct MasterStorage<MasterPrecision::Split16> {
+  using type = uint16_t;
+};
+template <>
+struct MasterStorage<MasterPrecision::Split8> {
+  using type = uint8_t;
+};
+template <MasterPrecision M>
+using master_storage_t = typename MasterStorage<M>::type;
+
 // `master` advanced by `offset` elements of its storage.
 template <MasterPrecision M>
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void* master_at(void* master, int64_t offset) {
-  const int64_t bytes = M == MasterPrecision::Float32 ? 4 : M == MasterPrecision::Split16 ? 2 : 1;
+  const int64_t bytes = static_cast<int64_t>(sizeof(master_storage_t<M>));
   return master == nullptr ? nullptr : static_cast<void*>(static_cast<char*>(master) + offset * bytes);
 }
 
