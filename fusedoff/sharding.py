@@ -4,10 +4,26 @@ The fused ops and the offload engine see plain tensors: a DTensor parameter, its
 states are reduced to their local shards here. Elementwise optimizers need nothing else; an
 optimizer whose step reads whole-tensor sums (Apollo) all-reduces its per-tensor partial sums over
 the process groups that split the tensor, see `all_reduce_over_shards_`.
+
+[note: compressed states of shards]
+Compressed states (see [note: compressed states] in csrc/include/fusedoff/state_codec.h) of a
+shard are its parameter's: the fused calls get each range's offset among the whole parameter's
+elements (`global_offset`), so bf16's random bits are keyed by the parameter's element index, and
+8-bit blocks are counted from the parameter's first element: a shard keeps one scale per block of
+the parameter it has elements in (`blocks_touched`), that block's part in the shard. When every
+shard starts on a block boundary (and for bf16 always) a sharded step is the one-process step bit
+for bit. A block that straddles two shards is kept as two blocks, each rank's part with its own
+scale (the largest magnitude of that part, never more than the whole block's): every element's
+error stays within the one-process bound (2^-4 of its value, or half the smallest step of its
+block's scale), and is smaller for small elements whose part holds no larger one. No collective
+runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
+offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
+block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -16,8 +32,9 @@ from torch import Tensor
 DTensor = None
 if dist.is_available():  # a torch built without distributed support has no DTensor: nothing is sharded
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except (ImportError, AttributeError):
         DTensor = None
 
@@ -37,6 +54,33 @@ def shard_groups(t: Tensor) -> tuple:
         return ()
     mesh = t.device_mesh
     return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def global_offset(t: Tensor) -> int | None:
+    """The index of the local shard's first element among all of `t`'s elements in memory order (0
+    for a plain tensor), when the shard holds a contiguous run of them: `t` contiguous, sharded
+    along its first dimension only (``Shard(0)``, as ``fully_shard`` shards, on one mesh dimension
+    or several) and replicated otherwise. None for any other sharding (``Shard(1)``, strided
+    shards, a non-contiguous layout), whose shard is not one run of the tensor's elements.
+    """
+    if not is_dtensor(t):
+        return 0
+    if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in t.placements):
+        return None
+    shape = tuple(t.shape)
+    if t.stride() != tuple(math.prod(shape[d + 1:]) for d in range(len(shape))):
+        return None
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0] * math.prod(shape[1:]) if shape else 0
+
+
+def blocks_touched(t: Tensor, block: int) -> int:
+    """How many blocks of `block` elements, counted from the first element of the whole tensor
+    (in its memory order), `t`'s local shard has elements in: its part of each (see
+    `global_offset`; a shard that is no run of elements counts its blocks from its own first)."""
+    n = local_tensor(t).numel()
+    lead = (global_offset(t) or 0) % block
+    return -(-(lead + n) // block) if n else 0
 
 
 def like_param(local: Tensor, param: Tensor) -> Tensor:

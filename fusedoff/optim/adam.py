@@ -13,7 +13,7 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import is_dtensor, local_tensor
+from fusedoff.sharding import blocks_touched, global_offset, local_tensor
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
@@ -69,9 +69,13 @@ class Adam(FusedOptimizer):
         _check_precision(group.get("state_precision", "fp32"), group.get("seed", 0), group.get("amsgrad", False))
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
-        if group["state_precision"] != "fp32" and is_dtensor(param):
-            raise ValueError(f"state_precision={group['state_precision']!r} does not support sharded (DTensor) "
-                             "parameters yet (their block scales and checkpoints are per shard); use 'fp32' for them")
+        # A shard's blocks and random indices are its parameter's (see [note: compressed states of
+        # shards]): its elements must be one run of the parameter's.
+        if group["state_precision"] != "fp32" and global_offset(param) is None:
+            raise ValueError(f"state_precision={group['state_precision']!r} needs each shard of a sharded (DTensor) "
+                             "parameter to hold a contiguous run of its elements (a contiguous parameter sharded "
+                             f"on its first dimension, as fully_shard does); this one is sharded as {param.placements}"
+                             f" with strides {param.stride()}: use state_precision='fp32' for it")
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return tuple(spec.name for spec in self._state_specs(group))
@@ -99,7 +103,11 @@ class Adam(FusedOptimizer):
             positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
 
+            eight_bit = group["state_precision"] == "8bit"
+
             def call(phase: Phase, args: UpdateArgs) -> None:
+                if eight_bit and any(o % codec.QUANT_BLOCK for o in args.offsets):
+                    args = _heads_apart(args)
                 states = args.states
                 ops.adam_compressed_step_(
                     args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
@@ -125,16 +133,16 @@ class Adam(FusedOptimizer):
             local = local_tensor(param)
             if value.dtype == target:  # 8-bit codes: with their scales
                 absmax = state.get(f"{name}_absmax")
-                if not isinstance(absmax, Tensor) or absmax.numel() != codec.num_blocks(value.numel()):
-                    raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {codec.num_blocks(value.numel())} "
-                                     "block scales")
-                if value.numel() <= 1 or value.stride() == local.stride():
+                blocks = blocks_touched(param, codec.QUANT_BLOCK)
+                if not isinstance(absmax, Tensor) or local_tensor(absmax).numel() != blocks:
+                    raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {blocks} block scales")
+                if value.numel() <= 1 or local_tensor(value).stride() == local.stride():
                     out[name], out[f"{name}_absmax"] = value, absmax
                     continue
                 # Blocks run in memory order: codes laid out unlike the parameter are quantized afresh.
             fp32 = _moment_fp32(state, name, param)
             if precision == "8bit":
-                codes, out[f"{name}_absmax"] = codec.quantize(flat_view(fp32), signed=name == "exp_avg")
+                codes, out[f"{name}_absmax"] = _quantize_shard(flat_view(fp32), param, signed=name == "exp_avg")
                 out[name] = torch.empty_like(fp32, dtype=torch.uint8)
                 flat_view(out[name]).copy_(codes)
             else:
@@ -277,8 +285,51 @@ def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     # like the parameter.
     codes = value if is_dense(value) else value.contiguous()
     decoded = torch.empty_like(codes, dtype=torch.float32)
-    flat_view(decoded).copy_(codec.dequantize(flat_view(codes), state[f"{name}_absmax"], signed=name == "exp_avg"))
+    lead = (global_offset(param) or 0) % codec.QUANT_BLOCK  # a shard's blocks are its parameter's
+    flat = torch.cat([flat_view(codes).new_zeros(lead), flat_view(codes)])
+    absmax = local_tensor(state[f"{name}_absmax"])
+    flat_view(decoded).copy_(codec.dequantize(flat, absmax, signed=name == "exp_avg")[lead:])
     return in_layout_of(decoded.reshape(local.shape), local)
+
+
+def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes, absmax) of `param`'s local fp32 values `flat`, in blocks counted from the whole
+    parameter's first element: a shard's first block is the part of it the shard holds."""
+    lead = (global_offset(param) or 0) % codec.QUANT_BLOCK
+    codes, absmax = codec.quantize(torch.cat([flat.new_zeros(lead), flat]), signed=signed)
+    return codes[lead:], absmax
+
+
+def _heads_apart(args: UpdateArgs) -> UpdateArgs:
+    """`args` with each range that starts inside a block (a shard whose first element is inside one
+    of its parameter's blocks: see [note: compressed states of shards]) cut in two: its head up to
+    the next block boundary, a block of its own with the first scale, and the rest, whose blocks
+    are the parameter's. The kernels count a range's blocks from its first element, and take an
+    8-bit range's offset as a block's first element: the head's is the block it is part of."""
+    out = UpdateArgs(tensors=[], params=[], grads=[], states={name: [] for name in args.states}, steps=[], stats=[],
+                     total_numels=[], offsets=[])
+    for i, offset in enumerate(args.offsets):
+        n = args.params[i].numel()
+        head = min(-offset % codec.QUANT_BLOCK, n)
+        block_start = offset - offset % codec.QUANT_BLOCK
+        parts = [(0, n, 0, None, block_start)]  # (an empty shard's range: nothing of a block)
+        if head:
+            parts = [(0, head, 0, 1, block_start)]
+            if head < n:
+                parts.append((head, n, 1, None, offset + head))
+        for begin, end, first_block, end_block, part_offset in parts:
+            out.tensors.append(args.tensors[i])
+            out.params.append(args.params[i][begin:end])
+            out.grads.append(args.grads[i][begin:end])
+            for name, values in args.states.items():
+                block_wise = name.endswith("_absmax")
+                out.states[name].append(values[i][first_block:end_block] if block_wise else values[i][begin:end])
+            out.steps.append(args.steps[i])
+            if args.stats:
+                out.stats.append(args.stats[i])
+            out.total_numels.append(args.total_numels[i])
+            out.offsets.append(part_offset)
+    return out
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable) -> tuple:
