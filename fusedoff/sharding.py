@@ -19,6 +19,18 @@ block's scale), and is smaller for small elements whose part holds no larger one
 runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
 offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
 block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
+
+[note: checkpoints of compressed shards]
+torch.distributed.checkpoint reshards a DTensor by its elements, but a rank's 8-bit scales
+describe its own parts of the parameter's blocks: they are no DTensor, and saved as a plain tensor
+one rank's would stand for all. So ``state_dict()`` holds the 8-bit moments of a sharded parameter
+decoded to fp32 (DTensors like the parameter, in host memory where the states are), and loading
+quantizes them in the loading shards' blocks. Decoding is exact and quantizing a decoded block
+gives back its codes and scale, so a checkpoint loaded where the blocks are the same (the same
+sharding, or shards on block boundaries in both) continues bit for bit; a block that was two parts
+and is now whole (or the reverse) is quantized once more, within the 8-bit bound. bf16 moments
+are DTensors as they are. The checkpoint costs fp32 bytes for 8-bit moments: the price of
+resharding them without a collective.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built wit
 
 WORLD = 2
 STEPS = 5
+CHECKPOINT_AT = 2
 # Shards of 512 and 256 elements: each starts on a block.
 ALIGNED = [(16, 64), (64, 16), (512,)]
 # 800 elements split at 400 (inside block 1: the second shard's first block is a part), tiny ones
@@ -44,6 +45,7 @@ PLACEMENTS = {
     "mixed": dict(offload="stream", chunk_size=256, device_budget=2500),
 }
 PRECISIONS = ("bf16", "8bit")
+CHECKPOINTS = (("bf16", "stream"), ("8bit", "stream"), ("8bit", "mixed"))
 
 
 def initial(t: int) -> torch.Tensor:
@@ -63,19 +65,57 @@ def make_optimizer(params, precision: str, placement: str):
     return fusedoff.AdamW(params, backend="cpu", state_precision=precision, **HYPER, **PLACEMENTS[placement])
 
 
-def run(precision: str, placement: str, mesh=None, steps: int = STEPS):
-    """Trains the tensors of SHAPES for `steps` steps; sharded over `mesh` when given."""
+def sharded_on(mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     def shard(full: torch.Tensor) -> torch.Tensor:
         return full if mesh is None else distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    return shard
 
-    params = [torch.nn.Parameter(shard(initial(t))) for t in range(len(SHAPES))]
-    opt = make_optimizer(params, precision, placement)
-    for step in range(steps):
+
+def train(params, opt, steps: range, mesh=None) -> None:
+    shard = sharded_on(mesh)
+    for step in steps:
         for t, p in enumerate(params):
             p.grad = shard(gradient(step, t))
         opt.step()
+
+
+def run(precision: str, placement: str, mesh=None, steps: int = STEPS):
+    """Trains the tensors of SHAPES for `steps` steps; sharded over `mesh` when given."""
+    shard = sharded_on(mesh)
+    params = [torch.nn.Parameter(shard(initial(t))) for t in range(len(SHAPES))]
+    opt = make_optimizer(params, precision, placement)
+    train(params, opt, range(steps), mesh)
+    return params, opt
+
+
+def save_at(precision: str, placement: str, mesh, folder: str, group=None) -> None:
+    """Trains to CHECKPOINT_AT over `mesh` (None: one process) and saves the tensors and the
+    optimizer with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    params, opt = run(precision, placement, mesh, CHECKPOINT_AT)
+    model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder, process_group=group)
+
+
+def resume(precision: str, placement: str, mesh, folder: str, group=None):
+    """Fresh tensors over `mesh` (elsewhere: loading them matters) and optimizer load the
+    checkpoint and train from CHECKPOINT_AT to STEPS."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shard = sharded_on(mesh)
+    params = [torch.nn.Parameter(shard(initial(t) + 1.0)) for t in range(len(SHAPES))]
+    module = torch.nn.ParameterList(params)
+    opt = make_optimizer(params, precision, placement)
+    model_sd, optim_sd = get_state_dict(module, opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=folder, process_group=group)
+    set_state_dict(module, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(params, opt, range(CHECKPOINT_AT, STEPS), mesh)
     return params, opt
 
 
@@ -150,6 +190,22 @@ def _worker(rank: int, port: int, folder: str) -> None:
             params, opt = run(precision, "stream", mesh, steps=1)
             results[precision, "first step"] = outcome(params, opt, precision)
             results[precision, "fsdp"] = train_fsdp(precision, "stream", mesh)
+        # Checkpoints: written by two ranks, loaded into two and into one (rank 0 alone, on a mesh
+        # of one); written by one, loaded into two.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        alone = dist.new_group([0])
+        for precision, placement in CHECKPOINTS:
+            two, one = (os.path.join(folder, f"{precision}-{placement}-{n}") for n in (2, 1))
+            save_at(precision, placement, mesh, two)
+            results[precision, placement, "2->2"] = outcome(*resume(precision, placement, mesh, two), precision)
+            if rank == 0:
+                mesh_of_one = DeviceMesh.from_group(alone, "cpu")
+                params, _ = resume(precision, placement, mesh_of_one, two, alone)
+                results[precision, placement, "2->1"] = [full(p) for p in params]
+                save_at(precision, placement, mesh_of_one, one, alone)
+            dist.barrier()
+            results[precision, placement, "1->2"] = outcome(*resume(precision, placement, mesh, one), precision)
         # A shard that is no run of its parameter's elements (Shard(1)) is refused before anything changes.
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -161,6 +217,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
             results["Shard(1)"] = ("", bool((p.to_local() == 1).all()), len(opt.state))
         except ValueError as error:
             results["Shard(1)"] = (str(error), bool((p.to_local() == 1).all()), len(opt.state))
+        params, opt = run("8bit", "stream", mesh, steps=1)
+        state = opt.state_dict()["state"][0]
+        results["8bit state dict"] = {k: (type(v).__name__, v.dtype) for k, v in state.items() if k != "step"}
         if rank == 0:
             torch.save(results, os.path.join(folder, "results.pt"))
     finally:
@@ -288,3 +347,37 @@ def test_a_shard_that_is_not_a_run_of_elements_is_refused(runs):
     message, unchanged, states = runs["Shard(1)"]
     assert "contiguous run of its elements" in message and "Shard(dim=1)" in message
     assert unchanged and states == 0
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def _exact_tensors(precision: str) -> range:
+    """The tensors a run must keep bit for bit: all in bf16; in 8-bit those whose shards start on blocks."""
+    return range(len(SHAPES)) if precision == "bf16" else range(len(ALIGNED))
+
+
+@pytest.mark.parametrize("precision,placement", CHECKPOINTS)
+def test_a_two_rank_checkpoint_continues_on_two_ranks_bit_for_bit(runs, precision, placement):
+    got, want = runs[precision, placement, "2->2"], runs[precision, placement]
+    for name in want:
+        for t, (a, b) in enumerate(zip(got[name], want[name])):
+            same = torch.equal(torch.cat(a), torch.cat(b)) if isinstance(a, list) else torch.equal(a, b)
+            assert same, f"{name} of tensor {t} {SHAPES[t]}"
+
+
+@pytest.mark.parametrize("precision,placement", CHECKPOINTS)
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_a_checkpoint_resharded_continues_as_one_process(runs, single, precision, placement, direction):
+    got = runs[precision, placement, direction]
+    got = got["params"] if isinstance(got, dict) else got
+    one, fp32 = single[precision, placement]["params"], single["fp32"]
+    for t in _exact_tensors(precision):
+        assert torch.equal(got[t], one[t]), f"tensor {t} {SHAPES[t]}"
+    for t in range(len(SHAPES)):  # a block that was two parts and is now whole: quantized once more
+        resumed_error = (got[t] - fp32[t]).abs().max().item()
+        one_error = (one[t] - fp32[t]).abs().max().item()
+        assert resumed_error <= 2 * one_error + 1e-6, f"tensor {t} {SHAPES[t]}: {resumed_error} vs {one_error}"
+
+
+def test_a_sharded_8bit_state_dict_holds_fp32_dtensors(runs):
+    got = runs["8bit state dict"]
+    assert got == {"exp_avg": ("DTensor", torch.float32), "exp_avg_sq": ("DTensor", torch.float32)}

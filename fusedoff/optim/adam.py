@@ -13,7 +13,7 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import blocks_touched, global_offset, local_tensor
+from fusedoff.sharding import blocks_touched, global_offset, is_dtensor, like_param, local_tensor
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
@@ -59,6 +59,27 @@ class Adam(FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+
+    def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
+        super()._register_hooks()
+        self.register_state_dict_post_hook(Adam._shards_decoded)
+
+    @staticmethod
+    def _shards_decoded(optimizer: "Adam", state_dict: dict) -> dict:
+        """State-dict post-hook: the 8-bit moments of sharded parameters decoded to fp32 DTensors
+        (see [note: checkpoints of compressed shards]); the optimizer's own states are unchanged."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for pid, state in list(state_dict["state"].items()):
+            param = params[pid]
+            if not is_dtensor(param) or not any(isinstance(state.get(f"{n}_absmax"), Tensor) for n in MOMENTS):
+                continue
+            state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
+            for name in MOMENTS:
+                if isinstance(state.get(f"{name}_absmax"), Tensor):
+                    state[name] = like_param(_moment_fp32(state, name, param), param)  # where the state is
+            for name in MOMENTS:
+                state.pop(f"{name}_absmax", None)
+        return state_dict
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
@@ -147,6 +168,7 @@ class Adam(FusedOptimizer):
                 flat_view(out[name]).copy_(codes)
             else:
                 out[name] = fp32.to(target)
+            out[name] = like_param(out[name], param)  # a shard's: a DTensor like its parameter
         return out
 
     def fp32_state_dict(self) -> dict:
@@ -285,17 +307,22 @@ def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     # like the parameter.
     codes = value if is_dense(value) else value.contiguous()
     decoded = torch.empty_like(codes, dtype=torch.float32)
-    lead = (global_offset(param) or 0) % codec.QUANT_BLOCK  # a shard's blocks are its parameter's
+    lead = _block_lead(param)
     flat = torch.cat([flat_view(codes).new_zeros(lead), flat_view(codes)])
     absmax = local_tensor(state[f"{name}_absmax"])
     flat_view(decoded).copy_(codec.dequantize(flat, absmax, signed=name == "exp_avg")[lead:])
     return in_layout_of(decoded.reshape(local.shape), local)
 
 
+def _block_lead(param: Tensor) -> int:
+    """How far into its parameter's 8-bit block a shard starts (0 for a plain tensor, or an empty shard)."""
+    return (global_offset(param) or 0) % codec.QUANT_BLOCK if local_tensor(param).numel() else 0
+
+
 def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """(codes, absmax) of `param`'s local fp32 values `flat`, in blocks counted from the whole
     parameter's first element: a shard's first block is the part of it the shard holds."""
-    lead = (global_offset(param) or 0) % codec.QUANT_BLOCK
+    lead = _block_lead(param)
     codes, absmax = codec.quantize(torch.cat([flat.new_zeros(lead), flat]), signed=signed)
     return codes[lead:], absmax
 
