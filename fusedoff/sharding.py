@@ -36,6 +36,7 @@ resharding them without a collective.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -153,3 +154,27 @@ def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: str) -
             dist.all_reduce(part, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
         if part.data_ptr() != rows.data_ptr():
             rows.copy_(part)
+
+
+def zero_redundancy_owner():
+    """The ``torch.distributed.optim.ZeroRedundancyOptimizer`` building the optimizer whose
+    constructor calls this (found on the call stack: ZeRO-1 builds each rank's local optimizer over
+    that rank's tensors only, in ``_init_local_optimizer``), or None.
+
+    Its ``param_groups`` hold every rank's tensors in the order of its consolidated state dict: an
+    optimizer keying anything by a tensor's index in the state dict (the bf16 random stream) keys
+    it by that order, so that ZeRO's ranks compute what one optimizer over every tensor does.
+    """
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # a torch without distributed support: no ZeRO
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:  # up the chain of constructors to the frame that called the first
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, ZeroRedundancyOptimizer):
+            return owner
+        if frame.f_code.co_name != "__init__":
+            return None
+        frame = frame.f_back
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -13,7 +14,8 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import blocks_touched, global_offset, is_dtensor, like_param, local_tensor
+from fusedoff.sharding import (blocks_touched, global_offset, is_dtensor, like_param, local_tensor,
+                               zero_redundancy_owner)
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
@@ -59,6 +61,15 @@ class Adam(FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+        owner = zero_redundancy_owner()  # ZeRO-1's local optimizer: keys by ZeRO's (global) state dict
+        self._zero_owner = weakref.ref(owner) if owner is not None else None
+
+    def _key_positions(self) -> dict[int, int]:
+        """Each parameter's index in the state dict, which keys its random stream: this optimizer's,
+        or for ZeRO-1's local optimizer the consolidated (global) one (see sharding.zero_redundancy_owner)."""
+        owner = self._zero_owner() if getattr(self, "_zero_owner", None) is not None else None
+        groups = owner.param_groups if owner is not None else self.param_groups
+        return {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
 
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
         super()._register_hooks()
@@ -121,7 +132,7 @@ class Adam(FusedOptimizer):
         else:
             # The random stream's key of each tensor: the optimizer's seed and the parameter's index
             # in the state dict, so it is the same however the tensor is placed or cut into chunks.
-            positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            positions = self._key_positions()
             keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
 
             eight_bit = group["state_precision"] == "8bit"
