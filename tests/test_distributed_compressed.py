@@ -1,5 +1,5 @@
-"""Compressed states (state_precision "bf16" and "8bit") of sharded (DTensor) parameters: two CPU
-processes with the gloo backend, against one process stepping the whole tensors.
+"""Compressed states (state_precision "bf16" and "8bit") of sharded (DTensor) parameters: two (and
+three) CPU processes with the gloo backend, against one process stepping the whole tensors.
 
 Parameters are sharded on their first dimension as fully_shard shards them, and every rank's
 gradients are the shards of the one process's gradients, so "equal" can mean bit for bit: it must,
@@ -10,7 +10,10 @@ the sharded moments after one step may be no further than the 8-bit bound, and t
 after a few steps no further than twice the one process's 8-bit run is. A fully_shard model
 trained on whole batches (FSDP averages identical gradients exactly) checks the same through FSDP2.
 
-Every scenario runs in one spawn of two processes (starting them costs seconds).
+Every scenario runs in one spawn of two processes (starting them costs seconds); the shards'
+blocks are checked again on three, where a middle shard straddles blocks at both ends. The
+checkpoints go through torch.distributed.checkpoint: two ranks into two, two into one (rank 0 on a
+mesh of its own), one into two.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built wit
 WORLD = 2
 STEPS = 5
 CHECKPOINT_AT = 2
-# Shards of 512 and 256 elements: each starts on a block.
+# On two ranks: shards of 512 and 256 elements, each starting on a block.
 ALIGNED = [(16, 64), (64, 16), (512,)]
-# 800 elements split at 400 (inside block 1: the second shard's first block is a part), tiny ones
-# inside one block, a 91-element one of 7 rows, and a single element (the second rank's shard is empty).
-STRADDLING = [(20, 40), (20,), (3, 40), (3,), (13, 7), (1,)]
+# On two ranks: 800 elements split at 400 (inside block 1: the second shard's first block is a
+# part), tiny ones inside one block, a 91-element one of 7 rows, a single element (the second
+# rank's shard is empty), and 768 elements split at 384. On three ranks only the last starts every
+# shard on a block (256 each), and the middle shard of (20, 40) (elements 280 to 560) straddles
+# blocks at both ends.
+STRADDLING = [(20, 40), (20,), (3, 40), (3,), (13, 7), (1,), (48, 16)]
 SHAPES = ALIGNED + STRADDLING
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
 PLACEMENTS = {
@@ -119,6 +125,20 @@ def resume(precision: str, placement: str, mesh, folder: str, group=None):
     return params, opt
 
 
+def shard_sizes(shape: tuple, world: int) -> list[int]:
+    """Elements of each rank's shard: Shard(0)'s split, torch.chunk on the rows."""
+    rows = [len(c) for c in torch.arange(shape[0]).chunk(world)]
+    return [r * (torch.Size(shape).numel() // shape[0]) for r in rows + [0] * (world - len(rows))]
+
+
+def on_blocks(world: int) -> list[int]:
+    """The tensors every shard of which starts on a block of 256 on `world` ranks."""
+    def starts(t):
+        sizes = shard_sizes(SHAPES[t], world)
+        return [sum(sizes[:r]) for r in range(world) if sizes[r]]
+    return [t for t in range(len(SHAPES)) if all(o % codec.QUANT_BLOCK == 0 for o in starts(t))]
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
@@ -126,9 +146,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def scales_of_ranks(opt, params, name: str) -> list[list[torch.Tensor]]:
     """Each tensor's 8-bit scales, per rank (gathered)."""
     mine = [opt.state[p][name].clone() for p in params]
-    gathered = [None] * WORLD
+    world = dist.get_world_size()
+    gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    return [[gathered[r][t] for r in range(WORLD)] for t in range(len(params))]
+    return [[gathered[r][t] for r in range(world)] for t in range(len(params))]
 
 
 def outcome(params, opt, precision: str) -> dict:
@@ -173,13 +194,13 @@ def train_fsdp(precision: str, placement: str, mesh=None) -> list[torch.Tensor]:
     return [full(p) for p in model.parameters()]
 
 
-def _worker(rank: int, port: int, folder: str) -> None:
+def _worker(rank: int, port: int, folder: str, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (world,))
         results: dict = {}
         for precision in PRECISIONS:
             for placement in PLACEMENTS:
@@ -189,7 +210,12 @@ def _worker(rank: int, port: int, folder: str) -> None:
                 results[precision, placement, "placed"] = (stats["resident_bytes"] > 0, stats["streamed_bytes"] > 0)
             params, opt = run(precision, "stream", mesh, steps=1)
             results[precision, "first step"] = outcome(params, opt, precision)
-            results[precision, "fsdp"] = train_fsdp(precision, "stream", mesh)
+            if world == WORLD:
+                results[precision, "fsdp"] = train_fsdp(precision, "stream", mesh)
+        if world != WORLD:  # three ranks: the shards' blocks only
+            if rank == 0:
+                torch.save(results, os.path.join(folder, "results.pt"))
+            return
         # Checkpoints: written by two ranks, loaded into two and into one (rank 0 alone, on a mesh
         # of one); written by one, loaded into two.
         from torch.distributed.device_mesh import DeviceMesh
@@ -232,11 +258,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawned(world: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(_free_port(), folder, world), nprocs=world, join=True)
+        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(_free_port(), folder), nprocs=WORLD, join=True)
-        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+    return spawned(WORLD)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return spawned(3)
+
+
+@pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
+def sharded(request):
+    """(world, results): the scenarios of the shards' blocks run on two ranks and on three."""
+    return request.param, request.getfixturevalue("runs" if request.param == 2 else "three_ranks")
 
 
 @pytest.fixture(scope="module")
@@ -257,17 +298,19 @@ def single():
 # ---- the tests --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_bf16_shards_equal_one_process_bit_for_bit(runs, single, placement):
-    got, want = runs["bf16", placement], single["bf16", placement]
+def test_bf16_shards_equal_one_process_bit_for_bit(sharded, single, placement):
+    got, want = sharded[1]["bf16", placement], single["bf16", placement]
     for name in ("params", "exp_avg", "exp_avg_sq"):
         for t, (a, b) in enumerate(zip(got[name], want[name])):
             assert torch.equal(a, b), f"{name} of tensor {t} {SHAPES[t]}"
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_8bit_shards_on_block_boundaries_equal_one_process_bit_for_bit(runs, single, placement):
-    got, want = runs["8bit", placement], single["8bit", placement]
-    for t in range(len(ALIGNED)):
+def test_8bit_shards_on_block_boundaries_equal_one_process_bit_for_bit(sharded, single, placement):
+    world, results = sharded
+    got, want = results["8bit", placement], single["8bit", placement]
+    assert on_blocks(world)
+    for t in on_blocks(world):
         for name in ("params", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[name][t], want[name][t]), f"{name} of tensor {t} {SHAPES[t]}"
         for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):  # each rank's scales are its blocks'
@@ -275,10 +318,11 @@ def test_8bit_shards_on_block_boundaries_equal_one_process_bit_for_bit(runs, sin
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_placements_of_shards_are_what_they_say(runs, precision):
-    assert runs[precision, "none", "placed"] == (True, False)
-    assert runs[precision, "stream", "placed"] == (False, True)
-    assert runs[precision, "mixed", "placed"] == (True, True)
+def test_placements_of_shards_are_what_they_say(sharded, precision):
+    results = sharded[1]
+    assert results[precision, "none", "placed"] == (True, False)
+    assert results[precision, "stream", "placed"] == (False, True)
+    assert results[precision, "mixed", "placed"] == (True, True)
 
 
 def _straddling_block_bound(fp32: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -290,14 +334,13 @@ def _straddling_block_bound(fp32: torch.Tensor, signed: bool) -> torch.Tensor:
     return torch.maximum(flat.abs() * 2.0**-4, absmax * (2.0**-18 if signed else 2.0**-33))
 
 
-def _decoded_shards(codes: torch.Tensor, scales: list[torch.Tensor], signed: bool) -> torch.Tensor:
+def _decoded_shards(codes: torch.Tensor, scales: list[torch.Tensor], signed: bool, world: int) -> torch.Tensor:
     """Full 8-bit codes decoded with each rank's scales: a shard's blocks counted from the
     parameter's first element, its first block's part with its own scale (independent of fusedoff's
     own decoding: blocks laid out here by their global element ranges)."""
     flat = codes.reshape(-1)
     out = torch.empty(flat.numel())
-    sizes = [chunk.numel() for chunk in codes.chunk(WORLD)]  # Shard(0)'s split: torch.chunk on the rows
-    sizes += [0] * (WORLD - len(sizes))
+    sizes = shard_sizes(tuple(codes.shape), world)
     start = 0
     for n, scale in zip(sizes, scales):
         block_index = 0
@@ -313,11 +356,12 @@ def _decoded_shards(codes: torch.Tensor, scales: list[torch.Tensor], signed: boo
     return out.view(codes.shape)
 
 
-def test_8bit_straddling_shards_stay_within_the_one_process_bound(runs, single):
-    got, oracle = runs["8bit", "first step"], single["fp32 first step"]
-    for t in range(len(ALIGNED), len(SHAPES)):
+def test_8bit_straddling_shards_stay_within_the_one_process_bound(sharded, single):
+    world, results = sharded
+    got, oracle = results["8bit", "first step"], single["fp32 first step"]
+    for t in range(len(SHAPES)):
         for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            decoded = _decoded_shards(got[name][t], got[f"{name}_absmax"][t], signed)
+            decoded = _decoded_shards(got[name][t], got[f"{name}_absmax"][t], signed, world)
             error = (decoded - oracle[name][t]).abs().reshape(-1)
             bound = _straddling_block_bound(oracle[name][t], signed)
             # (torch's moment and the kernel's fp32 moment differ by an ulp or so)
@@ -328,9 +372,11 @@ def test_8bit_straddling_shards_stay_within_the_one_process_bound(runs, single):
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_8bit_straddling_shards_train_as_close_as_one_process(runs, single, placement):
-    got, one, fp32 = runs["8bit", placement]["params"], single["8bit", placement]["params"], single["fp32"]
-    for t in range(len(ALIGNED), len(SHAPES)):
+def test_8bit_straddling_shards_train_as_close_as_one_process(sharded, single, placement):
+    world, results = sharded
+    got, one, fp32 = results["8bit", placement]["params"], single["8bit", placement]["params"], single["fp32"]
+    assert len(on_blocks(world)) < len(SHAPES)
+    for t in range(len(SHAPES)):
         sharded_error = (got[t] - fp32[t]).abs().max().item()
         one_error = (one[t] - fp32[t]).abs().max().item()
         assert sharded_error <= 2 * one_error + 1e-6, f"tensor {t} {SHAPES[t]}: {sharded_error} vs {one_error}"
@@ -352,7 +398,7 @@ def test_a_shard_that_is_not_a_run_of_elements_is_refused(runs):
 # ---- checkpoints ---------------------------------------------------------------------------------
 def _exact_tensors(precision: str) -> range:
     """The tensors a run must keep bit for bit: all in bf16; in 8-bit those whose shards start on blocks."""
-    return range(len(SHAPES)) if precision == "bf16" else range(len(ALIGNED))
+    return range(len(SHAPES)) if precision == "bf16" else on_blocks(WORLD)
 
 
 @pytest.mark.parametrize("precision,placement", CHECKPOINTS)
