@@ -14,8 +14,9 @@ the parameter it has elements in (`blocks_touched`), that block's part in the sh
 shard starts on a block boundary (and for bf16 always) a sharded step is the one-process step bit
 for bit. A block that straddles two shards is kept as two blocks, each rank's part with its own
 scale (the largest magnitude of that part, never more than the whole block's): every element's
-error stays within the one-process bound (2^-4 of its value, or half the smallest step of its
-block's scale), and is smaller for small elements whose part holds no larger one. No collective
+error stays within the one-process bound of [note: compressed states] (2^-4 of its value, or
+the smallest steps under its block's scale), and is smaller for small elements whose part holds
+no larger one. No collective
 runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
 offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
 block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
@@ -87,13 +88,17 @@ def global_offset(t: Tensor) -> int | None:
     return offset[0] * math.prod(shape[1:]) if shape else 0
 
 
+def block_lead(t: Tensor, block: int) -> int:
+    """How far into a block of `block` elements, counted from the whole tensor's first element,
+    `t`'s local shard starts (0 for a plain tensor, an empty shard, or a shard that is no run of
+    elements, which counts its blocks from its own first: see `global_offset`)."""
+    return (global_offset(t) or 0) % block if local_tensor(t).numel() else 0
+
+
 def blocks_touched(t: Tensor, block: int) -> int:
-    """How many blocks of `block` elements, counted from the first element of the whole tensor
-    (in its memory order), `t`'s local shard has elements in: its part of each (see
-    `global_offset`; a shard that is no run of elements counts its blocks from its own first)."""
-    n = local_tensor(t).numel()
-    lead = (global_offset(t) or 0) % block
-    return -(-(lead + n) // block) if n else 0
+    """How many blocks of `block` elements, counted from the whole tensor's first element (in its
+    memory order), `t`'s local shard has elements in: its part of each."""
+    return -(-(block_lead(t, block) + local_tensor(t).numel()) // block)
 
 
 def like_param(local: Tensor, param: Tensor) -> Tensor:

@@ -170,7 +170,8 @@ def _fsdp_model(mesh=None):
     # Shards of 512 and 256 elements: on block boundaries, so 8-bit states are exact too (a parameter
     # off by a rounding would change every gradient after it).
     model = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 16, bias=False))
+                                torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 16, bias=False))
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -291,7 +292,8 @@ def single():
     params, _ = run("fp32-torch", "none")
     results["fp32"] = [full(p) for p in params]
     params, opt = run("fp32-torch", "none", steps=1)
-    results["fp32 first step"] = {name: [full(opt.state[p][name]) for p in params] for name in ("exp_avg", "exp_avg_sq")}
+    results["fp32 first step"] = {name: [full(opt.state[p][name]) for p in params]
+                                  for name in ("exp_avg", "exp_avg_sq")}
     return results
 
 

@@ -39,7 +39,7 @@ from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chun
 from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
-from fusedoff.sharding import global_offset, is_dtensor, local_tensor
+from fusedoff.sharding import block_lead, is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
 
 OFFLOAD_MODES = ("auto", "none", "stream")
@@ -148,7 +148,7 @@ class OffloadEngine:
         # A shard's block-wise states count blocks from its parameter's first element: its chunks are
         # cut on those blocks' boundaries (see `lead` in plan.py).
         block = max((s.block for s in specs), default=1)
-        leads = [(global_offset(p) or 0) % block for p in params]
+        leads = [block_lead(p, block) for p in params]
         plan = ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align, leads)
         store = pipeline = None
         rt = self.runtime(device)

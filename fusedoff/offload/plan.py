@@ -66,7 +66,8 @@ class ChunkPlan:
         if chunk_size <= 0 or chunk_size % align:
             raise ValueError(f"chunk_size must be a positive multiple of {align}, got {chunk_size}")
         self.numels = [int(n) for n in numels]
-        leads = [0] * len(self.numels) if leads is None else [int(lead) if n else 0 for lead, n in zip(leads, self.numels)]
+        leads = [0] * len(self.numels) if leads is None else [int(lead) if n else 0
+                                                              for lead, n in zip(leads, self.numels)]
         if len(leads) != len(self.numels) or not all(0 <= lead < align for lead in leads):
             raise ValueError(f"leads must be one per tensor, each in [0, {align}), got {leads}")
         self.chunk_size = chunk_size

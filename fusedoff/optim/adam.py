@@ -14,7 +14,7 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import (blocks_touched, global_offset, is_dtensor, like_param, local_tensor,
+from fusedoff.sharding import (block_lead, blocks_touched, global_offset, is_dtensor, like_param, local_tensor,
                                zero_redundancy_owner)
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
@@ -318,23 +318,22 @@ def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     # like the parameter.
     codes = value if is_dense(value) else value.contiguous()
     decoded = torch.empty_like(codes, dtype=torch.float32)
-    lead = _block_lead(param)
-    flat = torch.cat([flat_view(codes).new_zeros(lead), flat_view(codes)])
+    lead = block_lead(param, codec.QUANT_BLOCK)  # a shard's blocks are its parameter's
     absmax = local_tensor(state[f"{name}_absmax"])
-    flat_view(decoded).copy_(codec.dequantize(flat, absmax, signed=name == "exp_avg")[lead:])
+    flat_view(decoded).copy_(codec.dequantize(_led(flat_view(codes), lead), absmax, signed=name == "exp_avg")[lead:])
     return in_layout_of(decoded.reshape(local.shape), local)
 
 
-def _block_lead(param: Tensor) -> int:
-    """How far into its parameter's 8-bit block a shard starts (0 for a plain tensor, or an empty shard)."""
-    return (global_offset(param) or 0) % codec.QUANT_BLOCK if local_tensor(param).numel() else 0
+def _led(flat: Tensor, lead: int) -> Tensor:
+    """`flat` after `lead` zeros: a shard's elements where its parameter's blocks put them."""
+    return torch.cat([flat.new_zeros(lead), flat]) if lead else flat
 
 
 def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """(codes, absmax) of `param`'s local fp32 values `flat`, in blocks counted from the whole
     parameter's first element: a shard's first block is the part of it the shard holds."""
-    lead = _block_lead(param)
-    codes, absmax = codec.quantize(torch.cat([flat.new_zeros(lead), flat]), signed=signed)
+    lead = block_lead(param, codec.QUANT_BLOCK)
+    codes, absmax = codec.quantize(_led(flat, lead), signed=signed)
     return codes[lead:], absmax
 
 
