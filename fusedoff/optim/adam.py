@@ -135,11 +135,11 @@ class Adam(FusedOptimizer):
             positions = self._key_positions()
             keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
 
-            eight_bit = group["state_precision"] == "8bit"
+            block_wise = {spec.name for spec in self._state_specs(group) if spec.block != 1}  # 8-bit scales
 
             def call(phase: Phase, args: UpdateArgs) -> None:
-                if eight_bit and any(o % codec.QUANT_BLOCK for o in args.offsets):
-                    args = _heads_apart(args)
+                if block_wise and any(o % codec.QUANT_BLOCK for o in args.offsets):
+                    args = _heads_apart(args, block_wise)
                 states = args.states
                 ops.adam_compressed_step_(
                     args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
@@ -337,12 +337,13 @@ def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, 
     return codes[lead:], absmax
 
 
-def _heads_apart(args: UpdateArgs) -> UpdateArgs:
+def _heads_apart(args: UpdateArgs, block_wise: set[str]) -> UpdateArgs:
     """`args` with each range that starts inside a block (a shard whose first element is inside one
     of its parameter's blocks: see [note: compressed states of shards]) cut in two: its head up to
     the next block boundary, a block of its own with the first scale, and the rest, whose blocks
     are the parameter's. The kernels count a range's blocks from its first element, and take an
-    8-bit range's offset as a block's first element: the head's is the block it is part of."""
+    8-bit range's offset as a block's first element: the head's is the block it is part of.
+    `block_wise` names the states with one value per block (the scales), the others have one per element."""
     out = UpdateArgs(tensors=[], params=[], grads=[], states={name: [] for name in args.states}, steps=[], stats=[],
                      total_numels=[], offsets=[])
     for i, offset in enumerate(args.offsets):
@@ -359,8 +360,8 @@ def _heads_apart(args: UpdateArgs) -> UpdateArgs:
             out.params.append(args.params[i][begin:end])
             out.grads.append(args.grads[i][begin:end])
             for name, values in args.states.items():
-                block_wise = name.endswith("_absmax")
-                out.states[name].append(values[i][first_block:end_block] if block_wise else values[i][begin:end])
+                out.states[name].append(values[i][first_block:end_block] if name in block_wise
+                                        else values[i][begin:end])
             out.steps.append(args.steps[i])
             if args.stats:
                 out.stats.append(args.stats[i])
