@@ -31,7 +31,9 @@ gives back its codes and scale, so a checkpoint loaded where the blocks are the 
 sharding, or shards on block boundaries in both) continues bit for bit; a block that was two parts
 and is now whole (or the reverse) is quantized once more, within the 8-bit bound. bf16 moments
 are DTensors as they are. The checkpoint costs fp32 bytes for 8-bit moments: the price of
-resharding them without a collective.
+resharding them without a collective. An empty tensor marks the decoded moments (optim/adam.py's
+DECODED_MARK), so that DCP refuses, as a missing key, to load an unsharded 8-bit optimizer's
+checkpoint (codes and scales) into a sharded one, which would read the codes as moments.
 """
 
 from __future__ import annotations

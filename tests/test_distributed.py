@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
+from fusedoff.sharding import local_tensor
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -397,7 +398,7 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
             opt = make(model.parameters())
             cuda_train(model, opt, range(CHECKPOINT_AT))
             model_sd, optim_sd = get_state_dict(model, opt)
-            on_host = all(v.to_local().device.type == "cpu" for st in optim_sd["state"].values()
+            on_host = all(local_tensor(v).device.type == "cpu" for st in optim_sd["state"].values()
                           for k, v in st.items() if k != "step")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
             cuda_train(model, opt, range(CHECKPOINT_AT, STEPS))

@@ -233,6 +233,18 @@ def _worker(rank: int, port: int, folder: str, world: int) -> None:
                 save_at(precision, placement, mesh_of_one, one, alone)
             dist.barrier()
             results[precision, placement, "1->2"] = outcome(*resume(precision, placement, mesh, one), precision)
+        # An unsharded optimizer's 8-bit checkpoint (codes and scales) into sharded ones: refused.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        plain = os.path.join(folder, "plain")
+        if rank == 0:
+            save_at("8bit", "stream", None, plain, alone)
+        dist.barrier()
+        try:
+            resume("8bit", "stream", mesh, plain)
+            results["plain into shards"] = ""
+        except CheckpointException as error:  # (a BaseException) naming each rank's missing keys
+            results["plain into shards"] = str(error)
         # A shard that is no run of its parameter's elements (Shard(1)) is refused before anything changes.
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -428,4 +440,9 @@ def test_a_checkpoint_resharded_continues_as_one_process(runs, single, precision
 
 def test_a_sharded_8bit_state_dict_holds_fp32_dtensors(runs):
     got = runs["8bit state dict"]
-    assert got == {"exp_avg": ("DTensor", torch.float32), "exp_avg_sq": ("DTensor", torch.float32)}
+    assert got == {"exp_avg": ("DTensor", torch.float32), "exp_avg_sq": ("DTensor", torch.float32),
+                   "8bit_moments_decoded": ("Tensor", torch.float32)}
+
+
+def test_an_unsharded_8bit_checkpoint_is_refused_by_sharded_optimizers(runs):
+    assert "8bit_moments_decoded" in runs["plain into shards"]

@@ -19,6 +19,10 @@ from fusedoff.sharding import (block_lead, blocks_touched, global_offset, is_dte
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
+# An empty tensor beside the decoded 8-bit moments of a shard in a state dict: a checkpoint without it
+# (an unsharded optimizer's codes and scales) is refused by torch.distributed.checkpoint's load as a
+# missing key, instead of its codes being read as moments (see [note: checkpoints of compressed shards]).
+DECODED_MARK = "8bit_moments_decoded"
 
 
 class Adam(FusedOptimizer):
@@ -74,6 +78,7 @@ class Adam(FusedOptimizer):
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
         super()._register_hooks()
         self.register_state_dict_post_hook(Adam._shards_decoded)
+        self.register_load_state_dict_pre_hook(Adam._without_decoded_marks)
 
     @staticmethod
     def _shards_decoded(optimizer: "Adam", state_dict: dict) -> dict:
@@ -90,7 +95,17 @@ class Adam(FusedOptimizer):
                     state[name] = like_param(_moment_fp32(state, name, param), param)  # where the state is
             for name in MOMENTS:
                 state.pop(f"{name}_absmax", None)
+            state[DECODED_MARK] = torch.zeros(0)
         return state_dict
+
+    @staticmethod
+    def _without_decoded_marks(optimizer: "Adam", state_dict: dict) -> dict | None:
+        """Load pre-hook: the state dict without the marks `_shards_decoded` adds (the user's dict unchanged)."""
+        if not any(DECODED_MARK in state for state in state_dict["state"].values()):
+            return None
+        states = {pid: {k: v for k, v in state.items() if k != DECODED_MARK}
+                  for pid, state in state_dict["state"].items()}
+        return {**state_dict, "state": states}
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
