@@ -212,6 +212,7 @@ class Adam(FusedOptimizer):
                     state[name] = _moment_fp32(state, name, param)
             for name in MOMENTS:
                 state.pop(f"{name}_absmax", None)
+            state.pop(DECODED_MARK, None)
         return state_dict
 
 
