@@ -4,10 +4,42 @@ The fused ops and the offload engine see plain tensors: a DTensor parameter, its
 states are reduced to their local shards here. Elementwise optimizers need nothing else; an
 optimizer whose step reads whole-tensor sums (Apollo) all-reduces its per-tensor partial sums over
 the process groups that split the tensor, see `all_reduce_over_shards_`.
+
+[note: compressed states of shards]
+Compressed states (see [note: compressed states] in csrc/include/fusedoff/state_codec.h) of a
+shard are its parameter's: the fused calls get each range's offset among the whole parameter's
+elements (`global_offset`), so bf16's random bits are keyed by the parameter's element index, and
+8-bit blocks are counted from the parameter's first element: a shard keeps one scale per block of
+the parameter it has elements in (`blocks_touched`), that block's part in the shard. When every
+shard starts on a block boundary (and for bf16 always) a sharded step is the one-process step bit
+for bit. A block that straddles two shards is kept as two blocks, each rank's part with its own
+scale (the largest magnitude of that part, never more than the whole block's): every element's
+error stays within the one-process bound of [note: compressed states] (2^-4 of its value, or
+the smallest steps under its block's scale), and is smaller for small elements whose part holds
+no larger one. No collective
+runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
+offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
+block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
+
+[note: checkpoints of compressed shards]
+torch.distributed.checkpoint reshards a DTensor by its elements, but a rank's 8-bit scales
+describe its own parts of the parameter's blocks: they are no DTensor, and saved as a plain tensor
+one rank's would stand for all. So ``state_dict()`` holds the 8-bit moments of a sharded parameter
+decoded to fp32 (DTensors like the parameter, in host memory where the states are), and loading
+quantizes them in the loading shards' blocks. Decoding is exact and quantizing a decoded block
+gives back its codes and scale, so a checkpoint loaded where the blocks are the same (the same
+sharding, or shards on block boundaries in both) continues bit for bit; a block that was two parts
+and is now whole (or the reverse) is quantized once more, within the 8-bit bound. bf16 moments
+are DTensors as they are. The checkpoint costs fp32 bytes for 8-bit moments: the price of
+resharding them without a collective. An empty tensor marks the decoded moments (optim/adam.py's
+DECODED_MARK), so that DCP refuses, as a missing key, to load an unsharded 8-bit optimizer's
+checkpoint (codes and scales) into a sharded one, which would read the codes as moments.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -16,8 +48,9 @@ from torch import Tensor
 DTensor = None
 if dist.is_available():  # a torch built without distributed support has no DTensor: nothing is sharded
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except (ImportError, AttributeError):
         DTensor = None
 
@@ -37,6 +70,37 @@ def shard_groups(t: Tensor) -> tuple:
         return ()
     mesh = t.device_mesh
     return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def global_offset(t: Tensor) -> int | None:
+    """The index of the local shard's first element among all of `t`'s elements in memory order (0
+    for a plain tensor), when the shard holds a contiguous run of them: `t` contiguous, sharded
+    along its first dimension only (``Shard(0)``, as ``fully_shard`` shards, on one mesh dimension
+    or several) and replicated otherwise. None for any other sharding (``Shard(1)``, strided
+    shards, a non-contiguous layout), whose shard is not one run of the tensor's elements.
+    """
+    if not is_dtensor(t):
+        return 0
+    if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in t.placements):
+        return None
+    shape = tuple(t.shape)
+    if t.stride() != tuple(math.prod(shape[d + 1:]) for d in range(len(shape))):
+        return None
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0] * math.prod(shape[1:]) if shape else 0
+
+
+def block_lead(t: Tensor, block: int) -> int:
+    """How far into a block of `block` elements, counted from the whole tensor's first element,
+    `t`'s local shard starts (0 for a plain tensor, an empty shard, or a shard that is no run of
+    elements, which counts its blocks from its own first: see `global_offset`)."""
+    return (global_offset(t) or 0) % block if local_tensor(t).numel() else 0
+
+
+def blocks_touched(t: Tensor, block: int) -> int:
+    """How many blocks of `block` elements, counted from the whole tensor's first element (in its
+    memory order), `t`'s local shard has elements in: its part of each."""
+    return -(-(block_lead(t, block) + local_tensor(t).numel()) // block)
 
 
 def like_param(local: Tensor, param: Tensor) -> Tensor:
@@ -97,3 +161,27 @@ def all_reduce_over_shards_(values: Tensor, params: Sequence[Tensor], op: str) -
             dist.all_reduce(part, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
         if part.data_ptr() != rows.data_ptr():
             rows.copy_(part)
+
+
+def zero_redundancy_owner():
+    """The ``torch.distributed.optim.ZeroRedundancyOptimizer`` building the optimizer whose
+    constructor calls this (found on the call stack: ZeRO-1 builds each rank's local optimizer over
+    that rank's tensors only, in ``_init_local_optimizer``), or None.
+
+    Its ``param_groups`` hold every rank's tensors in the order of its consolidated state dict: an
+    optimizer keying anything by a tensor's index in the state dict (the bf16 random stream) keys
+    it by that order, so that ZeRO's ranks compute what one optimizer over every tensor does.
+    """
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # a torch without distributed support: no ZeRO
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:  # up the chain of constructors to the frame that called the first
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, ZeroRedundancyOptimizer):
+            return owner
+        if frame.f_code.co_name != "__init__":
+            return None
+        frame = frame.f_back
+    return None

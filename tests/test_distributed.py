@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
+from fusedoff.sharding import local_tensor
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -49,6 +50,7 @@ for _rebound, _decay in (("constant", "L2"), ("belief", "decoupled"), ("constant
         ps, offload="stream", chunk_size=32, backend="cpu", **kw)
 # The eager reference cannot take an empty shard (an inf-norm of nothing): fusedoff alone there.
 EMPTY_SHARD = ("torch.AdamW", "AdamW/stream", "Apollo/belief/decoupled/stream", "Apollo/constant/stable/none")
+CUDA_PRECISIONS = ("fp32", "8bit")  # the GPU checkpoint test's state precisions
 CHECKPOINTED = ("AdamW/stream", "AdamW/none", "Apollo/belief/decoupled/stream", "Apollo/constant/stable/none")
 
 
@@ -363,7 +365,8 @@ def test_inf_norm_clip_with_an_empty_shard(runs, single):
 # ---- one GPU: DTensor parameters on a CUDA mesh, states streamed from host memory -------------------
 def _cuda_worker(rank: int, port: int, folder: str) -> None:
     """One rank with NCCL: streamed states of CUDA DTensor parameters are host tensors wrapped as
-    DTensors on a CUDA mesh (never moved to the GPU), saved and loaded by torch.distributed.checkpoint."""
+    DTensors on a CUDA mesh (never moved to the GPU), saved and loaded by torch.distributed.checkpoint;
+    fp32 states, and 8-bit ones (whose state dict holds them decoded, in host memory too)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -386,27 +389,31 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-        make = lambda ps: fusedoff.AdamW(ps, lr=1e-2, weight_decay=0.1, offload="stream", chunk_size=32)  # noqa: E731
-        model = fsdp_model()
-        opt = make(model.parameters())
-        cuda_train(model, opt, range(CHECKPOINT_AT))
-        model_sd, optim_sd = get_state_dict(model, opt)
-        on_host = all(v.to_local().device.type == "cpu" for st in optim_sd["state"].values()
-                      for k, v in st.items() if k != "step")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
-        cuda_train(model, opt, range(CHECKPOINT_AT, STEPS))
-        continued = [p.full_tensor().cpu() for p in model.parameters()]
+        results = {}
+        for precision in CUDA_PRECISIONS:
+            make = lambda ps: fusedoff.AdamW(ps, lr=1e-2, weight_decay=0.1, offload="stream",  # noqa: E731
+                                             chunk_size=32, state_precision=precision)
+            checkpoint = os.path.join(folder, precision)
+            model = fsdp_model()
+            opt = make(model.parameters())
+            cuda_train(model, opt, range(CHECKPOINT_AT))
+            model_sd, optim_sd = get_state_dict(model, opt)
+            on_host = all(local_tensor(v).device.type == "cpu" for st in optim_sd["state"].values()
+                          for k, v in st.items() if k != "step")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            cuda_train(model, opt, range(CHECKPOINT_AT, STEPS))
+            continued = [p.full_tensor().cpu() for p in model.parameters()]
 
-        resumed = fsdp_model()
-        resumed_opt = make(resumed.parameters())
-        model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
-        loaded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(loaded, checkpoint_id=folder)
-        set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        cuda_train(resumed, resumed_opt, range(CHECKPOINT_AT, STEPS))
-        torch.save({"on_host": on_host, "continued": continued,
-                    "resumed": [p.full_tensor().cpu() for p in resumed.parameters()]},
-                   os.path.join(folder, "cuda.pt"))
+            resumed = fsdp_model()
+            resumed_opt = make(resumed.parameters())
+            model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+            loaded = {"model": model_sd, "optim": optim_sd}
+            dcp.load(loaded, checkpoint_id=checkpoint)
+            set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+            cuda_train(resumed, resumed_opt, range(CHECKPOINT_AT, STEPS))
+            results[precision] = {"on_host": on_host, "continued": continued,
+                                  "resumed": [p.full_tensor().cpu() for p in resumed.parameters()]}
+        torch.save(results, os.path.join(folder, "cuda.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -415,9 +422,11 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
 def test_cuda_fsdp2_streamed_states_stay_on_the_host_and_checkpoint():
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_cuda_worker, args=(_free_port(), folder), nprocs=1, join=True)
-        result = torch.load(os.path.join(folder, "cuda.pt"), weights_only=False)
-    assert result["on_host"]
-    assert max_error(result["resumed"], result["continued"]) == 0
+        results = torch.load(os.path.join(folder, "cuda.pt"), weights_only=False)
+    for precision, result in results.items():
+        assert result["on_host"], precision
+        assert max_error(result["resumed"], result["continued"]) == 0, precision
+    result = results["fp32"]
     # and the same training without FSDP lands on the same parameters. The same comparison with one
     # gloo rank on the CPU is bit for bit (measured: 0.0); 1e-5 leaves room for a GPU kernel FSDP's
     # gradient path may pick differently, far below what a misplaced shard or state moves (~1e-2).

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fusedoff
+from fusedoff.offload.contract import StateSpec
 from fusedoff.offload.plan import ALIGN_ELEMENTS, ChunkPlan
 from fusedoff.offload.store import HostStateStore
 from tests.helpers import backend_params, relative_l2_error
@@ -50,6 +51,22 @@ def test_chunk_plan_covers_every_element_once_aligned(segment):
             assert size <= 208 or len(members) == 1
     with pytest.raises(ValueError, match="multiple of 16"):
         ChunkPlan(numels, 100)
+
+
+def test_chunk_plan_cuts_a_shard_with_a_lead_on_its_parameters_blocks():
+    # A shard starting 400 elements into its parameter (144 into block 1) and one starting on a block;
+    # an empty shard's lead is ignored.
+    plan = ChunkPlan([300, 0, 600], 256, align=256, leads=[144, 17, 0])
+    assert plan.offsets == [144, 512, 512]
+    pieces = [(p.tensor, p.tensor_offset, p.chunk_offset, p.length) for c in plan.chunks for p in c.pieces]
+    # The first shard's head (112 elements, the rest of block 1) fills its chunk's end; every other
+    # piece starts on a chunk, hence on a block of the parameter.
+    assert pieces == [(0, 0, 144, 112), (0, 112, 0, 188), (2, 0, 0, 256), (2, 256, 0, 256), (2, 512, 0, 88)]
+    store = HostStateStore(plan, (StateSpec("codes", torch.uint8), StateSpec("absmax", torch.float32, 256)))
+    assert [store.view("absmax", t).numel() for t in range(3)] == [2, 0, 3]  # the blocks each touches
+    assert store.view("codes", 0).numel() == 300
+    with pytest.raises(ValueError, match="leads"):
+        ChunkPlan([300], 256, align=256, leads=[256])
 
 
 def test_host_store_hands_out_views_of_one_slab_per_tensor():

@@ -54,7 +54,7 @@ from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.plan import Chunk, ChunkPlan
 from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.store import HostStateStore
-from fusedoff.sharding import like_param, local_tensor, shard_groups
+from fusedoff.sharding import blocks_touched, global_offset, like_param, local_tensor, shard_groups
 from fusedoff.tensor_layout import check_dense, flat_view
 
 _BITS = {2: torch.int16, 4: torch.int32}
@@ -96,6 +96,9 @@ class Bucket:
         self._step_views: list[Tensor | None] = [None] * n
         self._step_indices: dict[tuple, Tensor] = {}
         self.sharded = [bool(shard_groups(p)) for p in self.params]
+        # Each tensor's first element among its whole tensor's (a shard's place in the parameter):
+        # the fused calls' offsets, so that blocks and random indices are the whole tensor's.
+        self.origins = [global_offset(p) or 0 for p in self.params]
         self.placed = {name: [None] * n for name in self.specs}
         self.watched = [None] * n
         self._layouts = [None] * n
@@ -293,14 +296,16 @@ class Bucket:
     def _resident_state(self, spec: StateSpec, param: Tensor, value: Tensor | None) -> Tensor:
         local_param = local_tensor(param)
         start = None
+        # A block-wise state has a value for each block its tensor touches, counted from its whole
+        # tensor's first element (a shard's part of its parameter's blocks).
+        expected = spec.numel(local_param.numel()) if spec.block == 1 else blocks_touched(param, spec.block)
         if value is None:
             if not spec.follows_param:  # the parameter's strides: states are walked in its memory order
                 if spec.block != 1:
-                    return torch.zeros(spec.numel(local_param.numel()), dtype=spec.dtype, device=param.device)
+                    return torch.zeros(expected, dtype=spec.dtype, device=param.device)
                 return torch.zeros_like(param, dtype=spec.dtype, memory_format=torch.preserve_format)
             value = start = param.detach()
         local = local_tensor(value)
-        expected = spec.numel(local_param.numel())
         if local.numel() != expected:
             raise ValueError(f"state {spec.name!r} has {local.numel()} elements, expected {expected}")
         if spec.block != 1:
@@ -341,7 +346,8 @@ class Bucket:
                 cached.append((rows, UpdateArgs(
                     tensors=ts, params=[self.flat_param(t) for t in ts], grads=[],
                     states={name: [self._flat_state(name, t) for t in ts] for name in self.specs},
-                    steps=[], stats=[], total_numels=[self.params[t].numel() for t in ts], offsets=[0] * len(ts))))
+                    steps=[], stats=[], total_numels=[self.params[t].numel() for t in ts],
+                    offsets=[self.origins[t] for t in ts])))
             self._resident_calls[key] = cached
         calls = []
         stat_rows = stats.unbind(0) if stats is not None else ()
@@ -395,7 +401,7 @@ class Bucket:
                 steps=[steps[p.tensor] for p in pieces],
                 stats=[stat_rows[p.tensor] for p in pieces] if stats is not None else [],
                 total_numels=[self.params[p.tensor].numel() for p in pieces],
-                offsets=[p.tensor_offset for p in pieces],
+                offsets=[self.origins[p.tensor] + p.tensor_offset for p in pieces],
             ))
         return calls
 
@@ -430,6 +436,8 @@ def _piece_of(grad: Tensor, piece, plan: ChunkPlan) -> Tensor:
 
 
 def _piece(buffer: Tensor, spec: StateSpec, piece) -> Tensor:
-    """A piece's part of a state's chunk buffer (its blocks, for a block-wise state: a piece starts
-    on a block, the plan being aligned to it)."""
-    return _slice(buffer, piece.chunk_offset // spec.block, spec.numel(piece.length))
+    """A piece's part of a state's chunk buffer (for a block-wise state, the blocks it touches: a
+    piece starts on a block, the plan being aligned to it, but for a shard's first piece, which
+    starts at its `lead`, inside its first block)."""
+    first = piece.chunk_offset // spec.block
+    return buffer[first : -(-(piece.chunk_offset + piece.length) // spec.block)]

@@ -39,7 +39,7 @@ from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chun
 from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
-from fusedoff.sharding import is_dtensor, local_tensor
+from fusedoff.sharding import block_lead, is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
 
 OFFLOAD_MODES = ("auto", "none", "stream")
@@ -142,11 +142,13 @@ class OffloadEngine:
                 buffers = max(buffers, self.buffer_bytes_for(specs))
         return flags, buffers
 
-    def chunk_plan(self, numels: Sequence[int], specs: tuple[StateSpec, ...]) -> ChunkPlan:
+    def chunk_plan(self, numels: Sequence[int], specs: tuple[StateSpec, ...],
+                   leads: Sequence[int] | None = None) -> ChunkPlan:
         """The host layout and chunks of a bucket with `specs` whose streamed tensors have `numels`
-        elements (0: resident)."""
+        elements (0: resident), shards with `leads` (see plan.py)."""
         chunk_size, align = self.plan_chunk_size(specs)
-        return ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align)
+        return ChunkPlan(numels, chunk_size, round_up(max(chunk_size, DEFAULT_SEGMENT_BYTES // 4), align), align,
+                         leads)
 
     def predict_link(self, specs: tuple[StateSpec, ...], phases: tuple[Phase, ...], numels: Sequence[int]) -> LinkBytes:
         """The bytes one step copies each way for a bucket with `specs` whose every tensor steps, the
@@ -172,7 +174,11 @@ class OffloadEngine:
             self.budget.set(device, self.default_budget(self.runtime(device).decides_budget))
         sizes = [sum(s.nbytes(local_tensor(p).numel()) for s in specs) for p in params]
         resident = self.budget.place(device, sizes)
-        plan = self.chunk_plan([0 if r else local_tensor(p).numel() for p, r in zip(params, resident)], specs)
+        # A shard's block-wise states count blocks from its parameter's first element: its chunks are
+        # cut on those blocks' boundaries (see `lead` in plan.py).
+        block = max((s.block for s in specs), default=1)
+        plan = self.chunk_plan([0 if r else local_tensor(p).numel() for p, r in zip(params, resident)], specs,
+                               [block_lead(p, block) for p in params])
         store = pipeline = None
         rt = self.runtime(device)
         if not all(resident):

@@ -12,6 +12,12 @@ state is one contiguous copy.
 
 A tensor with no elements in the plan (numel 0: empty, or kept resident by the placement) takes no
 space and has no pieces.
+
+A tensor may have a `lead` (fewer than `align` elements): its first element is placed that far
+after an aligned position, as if the elements before it were there. A shard of a larger tensor
+whose blocks are counted from the whole tensor's first element (see fusedoff/sharding.py) has as
+lead its offset there modulo the block, so that chunks are cut on the whole tensor's block
+boundaries and its first block's other part is simply absent.
 """
 
 from __future__ import annotations
@@ -54,12 +60,16 @@ def aligned_chunk_size(chunk_size: int) -> int:
 
 class ChunkPlan:
     def __init__(self, numels: list[int], chunk_size: int, segment_elements: int | None = None,
-                 align: int = ALIGN_ELEMENTS) -> None:
+                 align: int = ALIGN_ELEMENTS, leads: list[int] | None = None) -> None:
         if align <= 0 or align % ALIGN_ELEMENTS:
             raise ValueError(f"align must be a positive multiple of {ALIGN_ELEMENTS}, got {align}")
         if chunk_size <= 0 or chunk_size % align:
             raise ValueError(f"chunk_size must be a positive multiple of {align}, got {chunk_size}")
         self.numels = [int(n) for n in numels]
+        leads = [0] * len(self.numels) if leads is None else [int(lead) if n else 0
+                                                              for lead, n in zip(leads, self.numels)]
+        if len(leads) != len(self.numels) or not all(0 <= lead < align for lead in leads):
+            raise ValueError(f"leads must be one per tensor, each in [0, {align}), got {leads}")
         self.chunk_size = chunk_size
         self.align = align
         limit = segment_elements if segment_elements is not None else float("inf")
@@ -67,13 +77,13 @@ class ChunkPlan:
         self.offsets: list[int] = []  # per tensor: its offset in its segment
         self.segment_sizes: list[int] = []  # elements per segment, padding included
         used = 0
-        for n in self.numels:
-            if n and used and used + n > limit:  # start a new segment; a large tensor gets one of its own
+        for n, lead in zip(self.numels, leads):
+            if n and used and used + lead + n > limit:  # start a new segment; a large tensor gets one of its own
                 self.segment_sizes.append(used)
                 used = 0
             self.segment_of.append(len(self.segment_sizes))
-            self.offsets.append(used)
-            used = round_up(used + n, align)
+            self.offsets.append(used + lead)
+            used = round_up(used + lead + n, align)
         if used or not self.segment_sizes:
             self.segment_sizes.append(used)
         self.total = sum(self.segment_sizes)

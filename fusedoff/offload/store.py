@@ -77,8 +77,9 @@ class HostStateStore:
     def view(self, name: str, tensor: int) -> Tensor:
         """Tensor `tensor` of state `name`, flat: a view of its slab."""
         spec = self.specs[name]
-        begin = self.plan.offsets[tensor] // spec.block
-        return self.slabs[name][self.plan.segment_of[tensor]][begin : begin + spec.numel(self.plan.numels[tensor])]
+        offset = self.plan.offsets[tensor]  # a block-wise state: the blocks its elements touch (see `lead`s)
+        begin, end = offset // spec.block, -(-(offset + self.plan.numels[tensor]) // spec.block)
+        return self.slabs[name][self.plan.segment_of[tensor]][begin:end]
 
 
 def _page_aligned_zeros(numel: int, dtype: torch.dtype) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -13,10 +14,15 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer, master_states
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import is_dtensor, local_tensor
+from fusedoff.sharding import (block_lead, blocks_touched, global_offset, is_dtensor, like_param, local_tensor,
+                               zero_redundancy_owner)
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
+# An empty tensor beside the decoded 8-bit moments of a shard in a state dict: a checkpoint without it
+# (an unsharded optimizer's codes and scales) is refused by torch.distributed.checkpoint's load as a
+# missing key, instead of its codes being read as moments (see [note: checkpoints of compressed shards]).
+DECODED_MARK = "8bit_moments_decoded"
 
 
 class Adam(FusedOptimizer):
@@ -61,6 +67,47 @@ class Adam(FusedOptimizer):
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
                          master_precision=master_precision)
+        owner = zero_redundancy_owner()  # ZeRO-1's local optimizer: keys by ZeRO's (global) state dict
+        self._zero_owner = weakref.ref(owner) if owner is not None else None
+
+    def _key_positions(self) -> dict[int, int]:
+        """Each parameter's index in the state dict, which keys its random stream: this optimizer's,
+        or for ZeRO-1's local optimizer the consolidated (global) one (see sharding.zero_redundancy_owner)."""
+        owner = self._zero_owner() if getattr(self, "_zero_owner", None) is not None else None
+        groups = owner.param_groups if owner is not None else self.param_groups
+        return {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
+
+    def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
+        super()._register_hooks()
+        self.register_state_dict_post_hook(Adam._shards_decoded)
+        self.register_load_state_dict_pre_hook(Adam._without_decoded_marks)
+
+    @staticmethod
+    def _shards_decoded(optimizer: "Adam", state_dict: dict) -> dict:
+        """State-dict post-hook: the 8-bit moments of sharded parameters decoded to fp32 DTensors
+        (see [note: checkpoints of compressed shards]); the optimizer's own states are unchanged."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for pid, state in list(state_dict["state"].items()):
+            param = params[pid]
+            if not is_dtensor(param) or not any(isinstance(state.get(f"{n}_absmax"), Tensor) for n in MOMENTS):
+                continue
+            state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
+            for name in MOMENTS:
+                if isinstance(state.get(f"{name}_absmax"), Tensor):
+                    state[name] = like_param(_moment_fp32(state, name, param), param)  # where the state is
+            for name in MOMENTS:
+                state.pop(f"{name}_absmax", None)
+            state[DECODED_MARK] = torch.zeros(0)
+        return state_dict
+
+    @staticmethod
+    def _without_decoded_marks(optimizer: "Adam", state_dict: dict) -> dict | None:
+        """Load pre-hook: the state dict without the marks `_shards_decoded` adds (the user's dict unchanged)."""
+        if not any(DECODED_MARK in state for state in state_dict["state"].values()):
+            return None
+        states = {pid: {k: v for k, v in state.items() if k != DECODED_MARK}
+                  for pid, state in state_dict["state"].items()}
+        return {**state_dict, "state": states}
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
@@ -73,9 +120,13 @@ class Adam(FusedOptimizer):
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
         super()._check_group_param(group, param)
-        if group["state_precision"] != "fp32" and is_dtensor(param):
-            raise ValueError(f"state_precision={group['state_precision']!r} does not support sharded (DTensor) "
-                             "parameters yet (their block scales and checkpoints are per shard); use 'fp32' for them")
+        # A shard's blocks and random indices are its parameter's (see [note: compressed states of
+        # shards]): its elements must be one run of the parameter's.
+        if group["state_precision"] != "fp32" and global_offset(param) is None:
+            raise ValueError(f"state_precision={group['state_precision']!r} needs each shard of a sharded (DTensor) "
+                             "parameter to hold a contiguous run of its elements (a contiguous parameter sharded "
+                             f"on its first dimension, as fully_shard does); this one is sharded as {param.placements}"
+                             f" with strides {param.stride()}: use state_precision='fp32' for it")
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return tuple(spec.name for spec in self._state_specs(group))
@@ -100,10 +151,14 @@ class Adam(FusedOptimizer):
         else:
             # The random stream's key of each tensor: the optimizer's seed and the parameter's index
             # in the state dict, so it is the same however the tensor is placed or cut into chunks.
-            positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            positions = self._key_positions()
             keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
 
+            block_wise = {spec.name for spec in self._state_specs(group) if spec.block != 1}  # 8-bit scales
+
             def call(phase: Phase, args: UpdateArgs) -> None:
+                if block_wise and any(o % codec.QUANT_BLOCK for o in args.offsets):
+                    args = _heads_apart(args, block_wise)
                 states = args.states
                 ops.adam_compressed_step_(
                     args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
@@ -130,20 +185,21 @@ class Adam(FusedOptimizer):
             local = local_tensor(param)
             if value.dtype == target:  # 8-bit codes: with their scales
                 absmax = state.get(f"{name}_absmax")
-                if not isinstance(absmax, Tensor) or absmax.numel() != codec.num_blocks(value.numel()):
-                    raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {codec.num_blocks(value.numel())} "
-                                     "block scales")
-                if value.numel() <= 1 or value.stride() == local.stride():
+                blocks = blocks_touched(param, codec.QUANT_BLOCK)
+                if not isinstance(absmax, Tensor) or local_tensor(absmax).numel() != blocks:
+                    raise ValueError(f"8-bit state {name!r} needs {name}_absmax with {blocks} block scales")
+                if value.numel() <= 1 or local_tensor(value).stride() == local.stride():
                     out[name], out[f"{name}_absmax"] = value, absmax
                     continue
                 # Blocks run in memory order: codes laid out unlike the parameter are quantized afresh.
             fp32 = _moment_fp32(state, name, param)
             if precision == "8bit":
-                codes, out[f"{name}_absmax"] = codec.quantize(flat_view(fp32), signed=name == "exp_avg")
+                codes, out[f"{name}_absmax"] = _quantize_shard(flat_view(fp32), param, signed=name == "exp_avg")
                 out[name] = torch.empty_like(fp32, dtype=torch.uint8)
                 flat_view(out[name]).copy_(codes)
             else:
                 out[name] = fp32.to(target)
+            out[name] = like_param(out[name], param)  # a shard's: a DTensor like its parameter
         return out
 
     def fp32_state_dict(self) -> dict:
@@ -162,6 +218,7 @@ class Adam(FusedOptimizer):
                     state[name] = _moment_fp32(state, name, param)
             for name in MOMENTS:
                 state.pop(f"{name}_absmax", None)
+            state.pop(DECODED_MARK, None)
         return state_dict
 
 
@@ -290,8 +347,56 @@ def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     # like the parameter.
     codes = value if is_dense(value) else value.contiguous()
     decoded = torch.empty_like(codes, dtype=torch.float32)
-    flat_view(decoded).copy_(codec.dequantize(flat_view(codes), state[f"{name}_absmax"], signed=name == "exp_avg"))
+    lead = block_lead(param, codec.QUANT_BLOCK)  # a shard's blocks are its parameter's
+    absmax = local_tensor(state[f"{name}_absmax"])
+    flat_view(decoded).copy_(codec.dequantize(_led(flat_view(codes), lead), absmax, signed=name == "exp_avg")[lead:])
     return in_layout_of(decoded.reshape(local.shape), local)
+
+
+def _led(flat: Tensor, lead: int) -> Tensor:
+    """`flat` after `lead` zeros: a shard's elements where its parameter's blocks put them."""
+    return torch.cat([flat.new_zeros(lead), flat]) if lead else flat
+
+
+def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes, absmax) of `param`'s local fp32 values `flat`, in blocks counted from the whole
+    parameter's first element: a shard's first block is the part of it the shard holds."""
+    lead = block_lead(param, codec.QUANT_BLOCK)
+    codes, absmax = codec.quantize(_led(flat, lead), signed=signed)
+    return codes[lead:], absmax
+
+
+def _heads_apart(args: UpdateArgs, block_wise: set[str]) -> UpdateArgs:
+    """`args` with each range that starts inside a block (a shard whose first element is inside one
+    of its parameter's blocks: see [note: compressed states of shards]) cut in two: its head up to
+    the next block boundary, a block of its own with the first scale, and the rest, whose blocks
+    are the parameter's. The kernels count a range's blocks from its first element, and take an
+    8-bit range's offset as a block's first element: the head's is the block it is part of.
+    `block_wise` names the states with one value per block (the scales), the others have one per element."""
+    out = UpdateArgs(tensors=[], params=[], grads=[], states={name: [] for name in args.states}, steps=[], stats=[],
+                     total_numels=[], offsets=[])
+    for i, offset in enumerate(args.offsets):
+        n = args.params[i].numel()
+        head = min(-offset % codec.QUANT_BLOCK, n)
+        block_start = offset - offset % codec.QUANT_BLOCK
+        parts = [(0, n, 0, None, block_start)]  # (an empty shard's range: nothing of a block)
+        if head:
+            parts = [(0, head, 0, 1, block_start)]
+            if head < n:
+                parts.append((head, n, 1, None, offset + head))
+        for begin, end, first_block, end_block, part_offset in parts:
+            out.tensors.append(args.tensors[i])
+            out.params.append(args.params[i][begin:end])
+            out.grads.append(args.grads[i][begin:end])
+            for name, values in args.states.items():
+                out.states[name].append(values[i][first_block:end_block] if name in block_wise
+                                        else values[i][begin:end])
+            out.steps.append(args.steps[i])
+            if args.stats:
+                out.stats.append(args.stats[i])
+            out.total_numels.append(args.total_numels[i])
+            out.offsets.append(part_offset)
+    return out
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable) -> tuple:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.kernels import codec
-from fusedoff.sharding import state_for_param
+from fusedoff.sharding import blocks_touched, local_tensor, state_for_param
 
 
 def set_states_aside(optimizer, state_dict: dict) -> dict:
@@ -33,7 +33,9 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
             # Compressed states (see [note: compressed states] in csrc/include/fusedoff/state_codec.h):
             # block scales have one value per block, 8-bit codes come with their scales.
             scales = key.endswith("_absmax")
-            expected = codec.num_blocks(param.numel()) if scales else param.numel()
+            # (a shard's: one per block of its parameter it has elements in, see fusedoff/sharding.py)
+            expected = blocks_touched(param, codec.QUANT_BLOCK) if scales else param.numel()
+            value = local_tensor(value) if scales else value
             if value.numel() != expected:
                 raise ValueError(f"state {key!r} of parameter {pid} has {value.numel()} elements "
                                  f"but the parameter has {param.numel()}" + (" (one scale per block of "

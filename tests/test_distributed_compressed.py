@@ -1,0 +1,448 @@
+"""Compressed states (state_precision "bf16" and "8bit") of sharded (DTensor) parameters: two (and
+three) CPU processes with the gloo backend, against one process stepping the whole tensors.
+
+Parameters are sharded on their first dimension as fully_shard shards them, and every rank's
+gradients are the shards of the one process's gradients, so "equal" can mean bit for bit: it must,
+for bf16 always and for 8-bit where every shard starts on a block of 256 elements. Tensors whose
+second shard starts inside a block keep that block as two (see [note: compressed states of
+shards] in fusedoff/sharding.py): there the oracle is torch.optim.AdamW (fp32 states), from which
+the sharded moments after one step may be no further than the 8-bit bound, and the parameters
+after a few steps no further than twice the one process's 8-bit run is. A fully_shard model
+trained on whole batches (FSDP averages identical gradients exactly) checks the same through FSDP2.
+
+Every scenario runs in one spawn of two processes (starting them costs seconds); the shards'
+blocks are checked again on three, where a middle shard straddles blocks at both ends. The
+checkpoints go through torch.distributed.checkpoint: two ranks into two, two into one (rank 0 on a
+mesh of its own), one into two.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fusedoff
+from fusedoff.kernels import codec
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+WORLD = 2
+STEPS = 5
+CHECKPOINT_AT = 2
+# On two ranks: shards of 512 and 256 elements, each starting on a block.
+ALIGNED = [(16, 64), (64, 16), (512,)]
+# On two ranks: 800 elements split at 400 (inside block 1: the second shard's first block is a
+# part), tiny ones inside one block, a 91-element one of 7 rows, a single element (the second
+# rank's shard is empty), and 768 elements split at 384. On three ranks only the last starts every
+# shard on a block (256 each), and the middle shard of (20, 40) (elements 280 to 560) straddles
+# blocks at both ends.
+STRADDLING = [(20, 40), (20,), (3, 40), (3,), (13, 7), (1,), (48, 16)]
+SHAPES = ALIGNED + STRADDLING
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+PLACEMENTS = {
+    "none": dict(offload="none"),
+    "stream": dict(offload="stream", chunk_size=256),  # tensors span chunks, chunks hold several tensors
+    "mixed": dict(offload="stream", chunk_size=256, device_budget=2500),
+}
+PRECISIONS = ("bf16", "8bit")
+CHECKPOINTS = (("bf16", "stream"), ("8bit", "stream"), ("8bit", "mixed"))
+
+
+def initial(t: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(t)
+    return torch.randn(SHAPES[t], generator=gen)
+
+
+def gradient(step: int, t: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * step + t)
+    # Magnitudes over 2^10 within a tensor: small elements sit far below their block's scale.
+    return torch.randn(SHAPES[t], generator=gen) * torch.exp2(torch.randint(-10, 1, SHAPES[t], generator=gen))
+
+
+def make_optimizer(params, precision: str, placement: str):
+    if precision == "fp32-torch":
+        return torch.optim.AdamW(params, **HYPER)
+    return fusedoff.AdamW(params, backend="cpu", state_precision=precision, **HYPER, **PLACEMENTS[placement])
+
+
+def sharded_on(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(full: torch.Tensor) -> torch.Tensor:
+        return full if mesh is None else distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    return shard
+
+
+def train(params, opt, steps: range, mesh=None) -> None:
+    shard = sharded_on(mesh)
+    for step in steps:
+        for t, p in enumerate(params):
+            p.grad = shard(gradient(step, t))
+        opt.step()
+
+
+def run(precision: str, placement: str, mesh=None, steps: int = STEPS):
+    """Trains the tensors of SHAPES for `steps` steps; sharded over `mesh` when given."""
+    shard = sharded_on(mesh)
+    params = [torch.nn.Parameter(shard(initial(t))) for t in range(len(SHAPES))]
+    opt = make_optimizer(params, precision, placement)
+    train(params, opt, range(steps), mesh)
+    return params, opt
+
+
+def save_at(precision: str, placement: str, mesh, folder: str, group=None) -> None:
+    """Trains to CHECKPOINT_AT over `mesh` (None: one process) and saves the tensors and the
+    optimizer with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    params, opt = run(precision, placement, mesh, CHECKPOINT_AT)
+    model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder, process_group=group)
+
+
+def resume(precision: str, placement: str, mesh, folder: str, group=None):
+    """Fresh tensors over `mesh` (elsewhere: loading them matters) and optimizer load the
+    checkpoint and train from CHECKPOINT_AT to STEPS."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shard = sharded_on(mesh)
+    params = [torch.nn.Parameter(shard(initial(t) + 1.0)) for t in range(len(SHAPES))]
+    module = torch.nn.ParameterList(params)
+    opt = make_optimizer(params, precision, placement)
+    model_sd, optim_sd = get_state_dict(module, opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=folder, process_group=group)
+    set_state_dict(module, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(params, opt, range(CHECKPOINT_AT, STEPS), mesh)
+    return params, opt
+
+
+def shard_sizes(shape: tuple, world: int) -> list[int]:
+    """Elements of each rank's shard: Shard(0)'s split, torch.chunk on the rows."""
+    rows = [len(c) for c in torch.arange(shape[0]).chunk(world)]
+    return [r * (torch.Size(shape).numel() // shape[0]) for r in rows + [0] * (world - len(rows))]
+
+
+def on_blocks(world: int) -> list[int]:
+    """The tensors every shard of which starts on a block of 256 on `world` ranks."""
+    def starts(t):
+        sizes = shard_sizes(SHAPES[t], world)
+        return [sum(sizes[:r]) for r in range(world) if sizes[r]]
+    return [t for t in range(len(SHAPES)) if all(o % codec.QUANT_BLOCK == 0 for o in starts(t))]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def scales_of_ranks(opt, params, name: str) -> list[list[torch.Tensor]]:
+    """Each tensor's 8-bit scales, per rank (gathered)."""
+    mine = [opt.state[p][name].clone() for p in params]
+    world = dist.get_world_size()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return [[gathered[r][t] for r in range(world)] for t in range(len(params))]
+
+
+def outcome(params, opt, precision: str) -> dict:
+    """What the one process's run is compared with: parameters, moments as stored (full), scales."""
+    out = {"params": [full(p) for p in params]}
+    for name in ("exp_avg", "exp_avg_sq"):
+        out[name] = [full(opt.state[p][name]) for p in params]
+    if precision == "8bit":
+        for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+            out[name] = (scales_of_ranks(opt, params, name) if dist.is_initialized()
+                         else [opt.state[p][name].clone() for p in params])
+    return out
+
+
+# ---- the two processes ----------------------------------------------------------------------------
+def _fsdp_model(mesh=None):
+    torch.manual_seed(0)
+    # Shards of 512 and 256 elements: on block boundaries, so 8-bit states are exact too (a parameter
+    # off by a rounding would change every gradient after it).
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 16, bias=False))
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_fsdp(precision: str, placement: str, mesh=None) -> list[torch.Tensor]:
+    """A fully_shard model (or a plain one) trained on whole batches: FSDP averages identical gradients."""
+    model = _fsdp_model(mesh)
+    opt = make_optimizer(model.parameters(), precision, placement)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 16, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [full(p) for p in model.parameters()]
+
+
+def _worker(rank: int, port: int, folder: str, world: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        results: dict = {}
+        for precision in PRECISIONS:
+            for placement in PLACEMENTS:
+                params, opt = run(precision, placement, mesh)
+                stats = opt.memory_stats()
+                results[precision, placement] = outcome(params, opt, precision)
+                results[precision, placement, "placed"] = (stats["resident_bytes"] > 0, stats["streamed_bytes"] > 0)
+            params, opt = run(precision, "stream", mesh, steps=1)
+            results[precision, "first step"] = outcome(params, opt, precision)
+            if world == WORLD:
+                results[precision, "fsdp"] = train_fsdp(precision, "stream", mesh)
+        if world != WORLD:  # three ranks: the shards' blocks only
+            if rank == 0:
+                torch.save(results, os.path.join(folder, "results.pt"))
+            return
+        # Checkpoints: written by two ranks, loaded into two and into one (rank 0 alone, on a mesh
+        # of one); written by one, loaded into two.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        alone = dist.new_group([0])
+        for precision, placement in CHECKPOINTS:
+            two, one = (os.path.join(folder, f"{precision}-{placement}-{n}") for n in (2, 1))
+            save_at(precision, placement, mesh, two)
+            results[precision, placement, "2->2"] = outcome(*resume(precision, placement, mesh, two), precision)
+            if rank == 0:
+                mesh_of_one = DeviceMesh.from_group(alone, "cpu")
+                params, _ = resume(precision, placement, mesh_of_one, two, alone)
+                results[precision, placement, "2->1"] = [full(p) for p in params]
+                save_at(precision, placement, mesh_of_one, one, alone)
+            dist.barrier()
+            results[precision, placement, "1->2"] = outcome(*resume(precision, placement, mesh, one), precision)
+        # An unsharded optimizer's 8-bit checkpoint (codes and scales) into sharded ones: refused.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        plain = os.path.join(folder, "plain")
+        if rank == 0:
+            save_at("8bit", "stream", None, plain, alone)
+        dist.barrier()
+        try:
+            resume("8bit", "stream", mesh, plain)
+            results["plain into shards"] = ""
+        except CheckpointException as error:  # (a BaseException) naming each rank's missing keys
+            results["plain into shards"] = str(error)
+        # A shard that is no run of its parameter's elements (Shard(1)) is refused before anything changes.
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)], src_data_rank=None))
+        p.grad = torch.ones_like(p)
+        opt = fusedoff.AdamW([p], state_precision="8bit", backend="cpu")
+        try:
+            opt.step()
+            results["Shard(1)"] = ("", bool((p.to_local() == 1).all()), len(opt.state))
+        except ValueError as error:
+            results["Shard(1)"] = (str(error), bool((p.to_local() == 1).all()), len(opt.state))
+        params, opt = run("8bit", "stream", mesh, steps=1)
+        state = opt.state_dict()["state"][0]
+        results["8bit state dict"] = {k: (type(v).__name__, v.dtype) for k, v in state.items() if k != "step"}
+        if rank == 0:
+            torch.save(results, os.path.join(folder, "results.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(world: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(_free_port(), folder, world), nprocs=world, join=True)
+        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawned(WORLD)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return spawned(3)
+
+
+@pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
+def sharded(request):
+    """(world, results): the scenarios of the shards' blocks run on two ranks and on three."""
+    return request.param, request.getfixturevalue("runs" if request.param == 2 else "three_ranks")
+
+
+@pytest.fixture(scope="module")
+def single():
+    results = {}
+    for precision in PRECISIONS:
+        for placement in PLACEMENTS:
+            results[precision, placement] = outcome(*run(precision, placement), precision)
+        results[precision, "first step"] = outcome(*run(precision, "stream", steps=1), precision)
+        results[precision, "fsdp"] = train_fsdp(precision, "stream")
+    params, _ = run("fp32-torch", "none")
+    results["fp32"] = [full(p) for p in params]
+    params, opt = run("fp32-torch", "none", steps=1)
+    results["fp32 first step"] = {name: [full(opt.state[p][name]) for p in params]
+                                  for name in ("exp_avg", "exp_avg_sq")}
+    return results
+
+
+# ---- the tests --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_bf16_shards_equal_one_process_bit_for_bit(sharded, single, placement):
+    got, want = sharded[1]["bf16", placement], single["bf16", placement]
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        for t, (a, b) in enumerate(zip(got[name], want[name])):
+            assert torch.equal(a, b), f"{name} of tensor {t} {SHAPES[t]}"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_8bit_shards_on_block_boundaries_equal_one_process_bit_for_bit(sharded, single, placement):
+    world, results = sharded
+    got, want = results["8bit", placement], single["8bit", placement]
+    assert on_blocks(world)
+    for t in on_blocks(world):
+        for name in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name][t], want[name][t]), f"{name} of tensor {t} {SHAPES[t]}"
+        for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):  # each rank's scales are its blocks'
+            assert torch.equal(torch.cat(got[name][t]), want[name][t]), f"{name} of tensor {t}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_placements_of_shards_are_what_they_say(sharded, precision):
+    results = sharded[1]
+    assert results[precision, "none", "placed"] == (True, False)
+    assert results[precision, "stream", "placed"] == (False, True)
+    assert results[precision, "mixed", "placed"] == (True, True)
+
+
+def _straddling_block_bound(fp32: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The one-process 8-bit bound of each element: 2^-4 of its value, or half the smallest step
+    under its (whole) block's scale; a whole step for second moments, a positive one of which never
+    becomes 0 (below the smallest code it takes that code)."""
+    flat = fp32.reshape(-1)
+    absmax = codec.block_absmax(flat).repeat_interleave(codec.QUANT_BLOCK)[: flat.numel()]
+    return torch.maximum(flat.abs() * 2.0**-4, absmax * (2.0**-18 if signed else 2.0**-33))
+
+
+def _decoded_shards(codes: torch.Tensor, scales: list[torch.Tensor], signed: bool, world: int) -> torch.Tensor:
+    """Full 8-bit codes decoded with each rank's scales: a shard's blocks counted from the
+    parameter's first element, its first block's part with its own scale (independent of fusedoff's
+    own decoding: blocks laid out here by their global element ranges)."""
+    flat = codes.reshape(-1)
+    out = torch.empty(flat.numel())
+    sizes = shard_sizes(tuple(codes.shape), world)
+    start = 0
+    for n, scale in zip(sizes, scales):
+        block_index = 0
+        e = start
+        while e < start + n:
+            end = min(start + n, (e // codec.QUANT_BLOCK + 1) * codec.QUANT_BLOCK)
+            decode = codec.decode_signed if signed else codec.decode_unsigned
+            out[e:end] = decode(flat[e:end], scale[block_index].expand(end - e))
+            block_index += 1
+            e = end
+        assert block_index == scale.numel(), (block_index, scale.numel())
+        start += n
+    return out.view(codes.shape)
+
+
+def test_8bit_straddling_shards_stay_within_the_one_process_bound(sharded, single):
+    world, results = sharded
+    got, oracle = results["8bit", "first step"], single["fp32 first step"]
+    for t in range(len(SHAPES)):
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            decoded = _decoded_shards(got[name][t], got[f"{name}_absmax"][t], signed, world)
+            error = (decoded - oracle[name][t]).abs().reshape(-1)
+            bound = _straddling_block_bound(oracle[name][t], signed)
+            # (torch's moment and the kernel's fp32 moment differ by an ulp or so)
+            assert (error <= bound * 1.01 + 1e-30).all(), f"{name} of tensor {t}: {(error / bound).max()}"
+    # The parameters of the first step come from the fp32 moments: one process's, bit for bit.
+    for t, (a, b) in enumerate(zip(got["params"], single["8bit", "first step"]["params"])):
+        assert torch.equal(a, b), f"tensor {t}"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_8bit_straddling_shards_train_as_close_as_one_process(sharded, single, placement):
+    world, results = sharded
+    got, one, fp32 = results["8bit", placement]["params"], single["8bit", placement]["params"], single["fp32"]
+    assert len(on_blocks(world)) < len(SHAPES)
+    for t in range(len(SHAPES)):
+        sharded_error = (got[t] - fp32[t]).abs().max().item()
+        one_error = (one[t] - fp32[t]).abs().max().item()
+        assert sharded_error <= 2 * one_error + 1e-6, f"tensor {t} {SHAPES[t]}: {sharded_error} vs {one_error}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fully_shard_trains_compressed_streamed_states_as_one_process(runs, single, precision):
+    got, want = runs[precision, "fsdp"], single[precision, "fsdp"]
+    for t in range(len(got)):
+        assert torch.equal(got[t], want[t]), f"parameter {t}"
+
+
+def test_a_shard_that_is_not_a_run_of_elements_is_refused(runs):
+    message, unchanged, states = runs["Shard(1)"]
+    assert "contiguous run of its elements" in message and "Shard(dim=1)" in message
+    assert unchanged and states == 0
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def _exact_tensors(precision: str) -> range:
+    """The tensors a run must keep bit for bit: all in bf16; in 8-bit those whose shards start on blocks."""
+    return range(len(SHAPES)) if precision == "bf16" else on_blocks(WORLD)
+
+
+@pytest.mark.parametrize("precision,placement", CHECKPOINTS)
+def test_a_two_rank_checkpoint_continues_on_two_ranks_bit_for_bit(runs, precision, placement):
+    got, want = runs[precision, placement, "2->2"], runs[precision, placement]
+    for name in want:
+        for t, (a, b) in enumerate(zip(got[name], want[name])):
+            same = torch.equal(torch.cat(a), torch.cat(b)) if isinstance(a, list) else torch.equal(a, b)
+            assert same, f"{name} of tensor {t} {SHAPES[t]}"
+
+
+@pytest.mark.parametrize("precision,placement", CHECKPOINTS)
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_a_checkpoint_resharded_continues_as_one_process(runs, single, precision, placement, direction):
+    got = runs[precision, placement, direction]
+    got = got["params"] if isinstance(got, dict) else got
+    one, fp32 = single[precision, placement]["params"], single["fp32"]
+    for t in _exact_tensors(precision):
+        assert torch.equal(got[t], one[t]), f"tensor {t} {SHAPES[t]}"
+    for t in range(len(SHAPES)):  # a block that was two parts and is now whole: quantized once more
+        resumed_error = (got[t] - fp32[t]).abs().max().item()
+        one_error = (one[t] - fp32[t]).abs().max().item()
+        assert resumed_error <= 2 * one_error + 1e-6, f"tensor {t} {SHAPES[t]}: {resumed_error} vs {one_error}"
+
+
+def test_a_sharded_8bit_state_dict_holds_fp32_dtensors(runs):
+    got = runs["8bit state dict"]
+    assert got == {"exp_avg": ("DTensor", torch.float32), "exp_avg_sq": ("DTensor", torch.float32),
+                   "8bit_moments_decoded": ("Tensor", torch.float32)}
+
+
+def test_an_unsharded_8bit_checkpoint_is_refused_by_sharded_optimizers(runs):
+    assert "8bit_moments_decoded" in runs["plain into shards"]
