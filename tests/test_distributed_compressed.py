@@ -65,10 +65,15 @@ def gradient(step: int, t: int) -> torch.Tensor:
     return torch.randn(SHAPES[t], generator=gen) * torch.exp2(torch.randint(-10, 1, SHAPES[t], generator=gen))
 
 
-def make_optimizer(params, precision: str, placement: str):
+# Split master weights (issue 22) of bf16 shards, beside compressed or fp32 states: (states, master).
+SPLIT_MASTERS = (("fp32", "split"), ("8bit", "split"), ("8bit", "split8"), ("bf16", "split8"))
+
+
+def make_optimizer(params, precision: str, placement: str, master: str | None = None):
     if precision == "fp32-torch":
         return torch.optim.AdamW(params, **HYPER)
-    return fusedoff.AdamW(params, backend="cpu", state_precision=precision, **HYPER, **PLACEMENTS[placement])
+    split = dict(master_precision=master) if master else {}
+    return fusedoff.AdamW(params, backend="cpu", state_precision=precision, **HYPER, **PLACEMENTS[placement], **split)
 
 
 def sharded_on(mesh):
@@ -83,15 +88,17 @@ def train(params, opt, steps: range, mesh=None) -> None:
     shard = sharded_on(mesh)
     for step in steps:
         for t, p in enumerate(params):
-            p.grad = shard(gradient(step, t))
+            p.grad = shard(gradient(step, t).to(p.dtype))
         opt.step()
 
 
-def run(precision: str, placement: str, mesh=None, steps: int = STEPS):
-    """Trains the tensors of SHAPES for `steps` steps; sharded over `mesh` when given."""
+def run(precision: str, placement: str, mesh=None, steps: int = STEPS, master: str | None = None):
+    """Trains the tensors of SHAPES for `steps` steps; sharded over `mesh` when given; with `master`,
+    bf16 tensors whose master weights are kept in that master precision."""
     shard = sharded_on(mesh)
-    params = [torch.nn.Parameter(shard(initial(t))) for t in range(len(SHAPES))]
-    opt = make_optimizer(params, precision, placement)
+    dtype = torch.bfloat16 if master else torch.float32
+    params = [torch.nn.Parameter(shard(initial(t).to(dtype))) for t in range(len(SHAPES))]
+    opt = make_optimizer(params, precision, placement, master)
     train(params, opt, range(steps), mesh)
     return params, opt
 
@@ -152,11 +159,25 @@ def scales_of_ranks(opt, params, name: str) -> list[list[torch.Tensor]]:
     return [[gathered[r][t] for r in range(world)] for t in range(len(params))]
 
 
+def low_bits_of_ranks(opt, params) -> list[list[torch.Tensor]]:
+    """Each tensor's split-master low bits, flat, per rank (one process: one rank)."""
+    mine = [opt.state[p]["master_low_bits"] for p in params]
+    mine = [(t.to_local() if hasattr(t, "to_local") else t).reshape(-1).clone() for t in mine]
+    if not dist.is_initialized():
+        return [[t] for t in mine]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return [[g[t] for g in gathered] for t in range(len(params))]
+
+
 def outcome(params, opt, precision: str) -> dict:
-    """What the one process's run is compared with: parameters, moments as stored (full), scales."""
+    """What the one process's run is compared with: parameters, moments as stored (full), scales,
+    a split master's low bits."""
     out = {"params": [full(p) for p in params]}
     for name in ("exp_avg", "exp_avg_sq"):
         out[name] = [full(opt.state[p][name]) for p in params]
+    if "master_low_bits" in opt.state[params[0]]:  # (gloo gathers no int16: the shards, flat, in rank order)
+        out["master_low_bits"] = [torch.cat(ranks) for ranks in low_bits_of_ranks(opt, params)]
     if precision == "8bit":
         for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):
             out[name] = (scales_of_ranks(opt, params, name) if dist.is_initialized()
@@ -213,6 +234,9 @@ def _worker(rank: int, port: int, folder: str, world: int) -> None:
             results[precision, "first step"] = outcome(params, opt, precision)
             if world == WORLD:
                 results[precision, "fsdp"] = train_fsdp(precision, "stream", mesh)
+        if world == WORLD:
+            for precision, master in SPLIT_MASTERS:
+                results[precision, master] = outcome(*run(precision, "mixed", mesh, master=master), precision)
         if world != WORLD:  # three ranks: the shards' blocks only
             if rank == 0:
                 torch.save(results, os.path.join(folder, "results.pt"))
@@ -301,6 +325,8 @@ def single():
             results[precision, placement] = outcome(*run(precision, placement), precision)
         results[precision, "first step"] = outcome(*run(precision, "stream", steps=1), precision)
         results[precision, "fsdp"] = train_fsdp(precision, "stream")
+    for precision, master in SPLIT_MASTERS:
+        results[precision, master] = outcome(*run(precision, "mixed", master=master), precision)
     params, _ = run("fp32-torch", "none")
     results["fp32"] = [full(p) for p in params]
     params, opt = run("fp32-torch", "none", steps=1)
@@ -446,3 +472,16 @@ def test_a_sharded_8bit_state_dict_holds_fp32_dtensors(runs):
 
 def test_an_unsharded_8bit_checkpoint_is_refused_by_sharded_optimizers(runs):
     assert "8bit_moments_decoded" in runs["plain into shards"]
+
+
+@pytest.mark.parametrize("precision,master", SPLIT_MASTERS)
+def test_split_masters_of_shards_equal_one_process_bit_for_bit(runs, single, precision, master):
+    """bf16 shards with split masters, resident and streamed (under a budget): parameters, low bits and
+    moments bit for bit as one process, on every tensor (fp32 and bf16 states) or every tensor whose
+    shards start on blocks (8-bit states). A split master is per element, so shards change nothing."""
+    got, want = runs[precision, master], single[precision, master]
+    exact = range(len(SHAPES)) if precision != "8bit" else on_blocks(WORLD)
+    for name in ("params", "master_low_bits", "exp_avg", "exp_avg_sq"):
+        for t in exact:
+            assert torch.equal(got[name][t].view(torch.uint8), want[name][t].view(torch.uint8)), \
+                f"{name} of tensor {t} {SHAPES[t]}"
