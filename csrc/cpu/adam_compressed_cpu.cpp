@@ -58,14 +58,14 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
   uint8_t* __restrict__ m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
   uint8_t* __restrict__ v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
   const int64_t b = block / kQuantBlock;
-  const float m_scale = t.exp_avg_absmax[b];
-  const float v_scale = t.exp_avg_sq_absmax[b];
+  const float m_decode = decode_factor(t.exp_avg_absmax[b]);
+  const float v_decode = decode_factor(t.exp_avg_sq_absmax[b]);
   float m[kQuantBlock];
   float v[kQuantBlock];
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const Updated u = adam_updated(kMaster ? master[i] : load_float(param + i), load_float(grad + i),
-                                   decode_signed(m_codes[i], m_scale), decode_unsigned(v_codes[i], v_scale), scale, s);
+                                   decode_signed(m_codes[i], m_decode), decode_unsigned(v_codes[i], v_decode), scale, s);
     if (kMaster) master[i] = u.param;
     store_float(param + i, u.param);
     m[i] = u.exp_avg;
@@ -75,10 +75,12 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
   const float v_max = block_absmax(v, n);
   t.exp_avg_absmax[b] = m_max;
   t.exp_avg_sq_absmax[b] = v_max;
+  const float m_encode = encode_factor(m_max);
+  const float v_encode = encode_factor(v_max);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    m_codes[i] = encode_signed(m[i], m_max);
-    v_codes[i] = encode_unsigned(v[i], v_max);
+    m_codes[i] = encode_signed(m[i], m_encode);
+    v_codes[i] = encode_unsigned(v[i], v_encode);
   }
 }
 
