@@ -469,6 +469,53 @@ def test_a_torch_checkpoint_loads_compressed_and_converts_back(precision):
     assert opt.state[params[0]]["exp_avg"].dtype == codec.state_dtype(precision)
 
 
+def version_1_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the first 8-bit map wrote for flat fp32 `x`, by its definition: per block of 256 the
+    absmax, and float8_e4m3fn of x / absmax * 2^8 (signed) or the nearest value of its grid
+    (unsigned); with the values those codes stand for (float64)."""
+    absmax = codec.block_absmax(x)
+    scale = absmax.double().repeat_interleave(256)[: x.numel()]
+    if signed:
+        codes = (x.double() / scale * 256).to(torch.float8_e4m3fn)
+        return codes.view(torch.uint8), absmax, codes.double() / 256 * scale
+    grid = [m / 8 * 2.0**-30 for m in range(8)] + [(1 + m / 8) * 2.0**e for e in range(-30, 1) for m in range(8)]
+    grid = torch.tensor(grid[:249], dtype=torch.float64)
+    codes = (x.double()[:, None] / scale[:, None] - grid[None]).abs().argmin(dim=1)
+    return codes.to(torch.uint8), absmax, grid[codes] * scale
+
+
+@pytest.mark.parametrize("offload", ["none", "stream"])
+def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
+    """A state dict without the codec version (written before the tapered map) is read with the
+    first map and encoded with this one; a dict this version saves says its version."""
+    params = make_params()
+    opt = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit")
+    train(opt, params, 3)
+    old = copy.deepcopy(opt.state_dict())
+    for group in old["param_groups"]:
+        assert group.pop(codec.CODEC_VERSION_KEY) == codec.CODEC_VERSION
+    want = {}
+    for pid, state in old["state"].items():
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            values = codec.dequantize(state[name].reshape(-1), state[f"{name}_absmax"], signed)
+            codes, state[f"{name}_absmax"], meant = version_1_codes(values, signed)
+            state[name] = codes.reshape(state[name].shape)
+            want[pid, name] = codec.quantize(meant.float(), signed)
+    resumed = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit", offload=offload, chunk_size=32)
+    resumed.load_state_dict(old)
+    for pid, p in enumerate(params):
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes, absmax = want[pid, name]
+            assert torch.equal(resumed.state[p][name].reshape(-1), codes)
+            assert torch.equal(resumed.state[p][f"{name}_absmax"], absmax)
+    assert all(codec.CODEC_VERSION_KEY not in group for group in resumed.param_groups)  # not an option
+    train(resumed, params, 1)  # and it steps on
+    assert all(g[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for g in resumed.state_dict()["param_groups"])
+    future = {**old, "param_groups": [{**g, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION + 1} for g in old["param_groups"]]}
+    with pytest.raises(ValueError, match="codec version"):
+        fusedoff.AdamW(params, lr=1e-2, state_precision="8bit").load_state_dict(future)
+
+
 def test_an_fp32_optimizer_decodes_a_compressed_checkpoint():
     params = make_params()
     opt = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit")
