@@ -98,11 +98,16 @@ MIN_CODE_SCALE = 2.0**-126  # kMinCodeScale
 
 
 class _Map:
-    """A tapered map (SignedMap / UnsignedMap): pieces (first_bits, first_code, shift, bias), lowest first."""
+    """A tapered map (SignedMap / UnsignedMap): pieces (first_bits, first_code, shift, bias, round_offset),
+    lowest first."""
 
     def __init__(self, max_code: int, subnormal_exponent: int, pieces):
         self.max_code, self.subnormal_scale, self.subnormal_step = max_code, 2.0**subnormal_exponent, 2.0**-subnormal_exponent
-        self.pieces = [(exponent << 23, code, 23 - bits, (exponent << bits) - code) for exponent, code, bits in pieces]
+        self.pieces = []
+        for exponent, code, bits in pieces:
+            shift, bias = 23 - bits, (exponent << bits) - code
+            round_offset = ((1 << (shift - 1)) - 1 - (bias << shift)) & _MASK  # CodePiece::round_offset
+            self.pieces.append((exponent << 23, code, shift, bias, round_offset))
 
 
 # (exponent field of the piece's smallest value, its code, mantissa bits)
@@ -123,33 +128,30 @@ def decode_factor(absmax: Tensor) -> Tensor:
     return code_scale(absmax.to(torch.float32)) / CODE_TOP
 
 
-def _select_piece(key: Tensor, pieces, index: int) -> tuple[Tensor, Tensor]:
+def _select_piece(key: Tensor, pieces, index: int, field: int) -> tuple[Tensor, Tensor]:
+    """(shift, pieces' `field`) of the piece each key (q's bits: index 0; a code: index 1) is in."""
     shift = torch.full_like(key, pieces[0][2])
-    bias = torch.full_like(key, pieces[0][3])
+    value = torch.full_like(key, pieces[0][field])
     for piece in pieces[1:]:
         inside = key >= piece[index]
         shift = torch.where(inside, piece[2], shift)
-        bias = torch.where(inside, piece[3], bias)
-    return shift, bias
+        value = torch.where(inside, piece[field], value)
+    return shift, value
 
 
 def _magnitude_code(q: Tensor, m: _Map) -> Tensor:
     u = float_bits(q)
-    shift, bias = _select_piece(u, m.pieces, 0)
-    normal = ((u + (1 << (shift - 1)) - 1 + ((u >> shift) & 1)) >> shift) - bias
+    shift, offset = _select_piece(u, m.pieces, 0, 4)
+    normal = ((u + offset + ((u >> shift) & 1)) & _MASK) >> shift
     subnormal = float_bits(q * m.subnormal_scale + 8388608.0) - 0x4B000000
     return torch.where(u >= m.pieces[0][0], normal, subnormal).clamp(max=m.max_code)
 
 
 def _magnitude_value(c: Tensor, m: _Map) -> Tensor:
-    shift, bias = _select_piece(c, m.pieces, 1)
+    shift, bias = _select_piece(c, m.pieces, 1, 3)
     normal = bits_float(((c + bias) << shift) & _MASK)
     subnormal = c.to(torch.float32) * m.subnormal_step
     return torch.where(c >= m.pieces[0][1], normal, subnormal)
-
-
-def _finite_magnitude_of_bits(magnitude_bits: Tensor) -> Tensor:
-    return bits_float(torch.where(magnitude_bits < 0x7F800000, magnitude_bits, 0))
 
 
 def encode_signed(x: Tensor, factor: Tensor) -> Tensor:
@@ -157,7 +159,7 @@ def encode_signed(x: Tensor, factor: Tensor) -> Tensor:
     bits = float_bits(x)
     sign = (bits >> 24) & 0x80
     magnitude_bits = bits & 0x7FFFFFFF
-    code = _magnitude_code(_finite_magnitude_of_bits(magnitude_bits) * factor, SIGNED_MAP)
+    code = _magnitude_code(bits_float(magnitude_bits) * factor, SIGNED_MAP)  # inf, NaN: replaced below
     code = torch.where(magnitude_bits == 0x7F800000, SIGNED_INF, code)
     code = torch.where(magnitude_bits > 0x7F800000, SIGNED_NAN, code)
     return (code | sign).to(torch.uint8)
@@ -177,7 +179,7 @@ def encode_unsigned(x: Tensor, factor: Tensor) -> Tensor:
     """uint8 codes of fp32 `x` under its block's `encode_factor` (broadcast), second-moment map."""
     bits = float_bits(x)
     magnitude_bits = bits & 0x7FFFFFFF
-    code = _magnitude_code(_finite_magnitude_of_bits(magnitude_bits) * factor, UNSIGNED_MAP)
+    code = _magnitude_code(bits_float(magnitude_bits) * factor, UNSIGNED_MAP)
     code = torch.where((code == 0) & (magnitude_bits != 0), 1, code)
     code = torch.where(magnitude_bits == 0x7F800000, UNSIGNED_INF, code)
     code = torch.where((magnitude_bits > 0x7F800000) | (bits > 0x80000000), UNSIGNED_NAN, code)

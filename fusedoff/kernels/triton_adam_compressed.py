@@ -138,16 +138,16 @@ def _decode_factor(absmax):
 
 
 @triton.jit
-def _pick(key, index: tl.constexpr, shift, bias, piece: tl.constexpr):
+def _pick(key, index: tl.constexpr, field: tl.constexpr, shift, value, piece: tl.constexpr):
     inside = key >= piece[index]
-    return tl.where(inside, piece[2], shift), tl.where(inside, piece[3], bias)
+    return tl.where(inside, piece[2], shift), tl.where(inside, piece[field], value)
 
 
 @triton.jit
-def _round_piece(u, shift, bias):
-    # u + half - 1 + lsb stays below 2^32 for a finite q (< 2^128); only codes below the piece wrap
-    rounded = (u + ((tl.full(u.shape, 1, tl.uint32) << (shift - 1)) - 1) + ((u >> shift) & 1)) >> shift
-    return tl.sub(rounded, bias, sanitize_overflow=False)  # below the first piece: wraps, not taken
+def _round_piece(u, shift, offset):
+    # wraps mod 2^32 as in C++ (CodePiece::round_offset): not in the piece the result is not taken
+    total = tl.add(tl.add(u, offset, sanitize_overflow=False), (u >> shift) & 1, sanitize_overflow=False)
+    return total >> shift
 
 
 @triton.jit
@@ -160,11 +160,11 @@ def _signed_magnitude_code(q):
     """``magnitude_code<SignedMap>``."""
     u = q.to(tl.uint32, bitcast=True)
     shift = tl.full(u.shape, _S0[2], tl.uint32)
-    bias = tl.full(u.shape, _S0[3], tl.uint32)
-    shift, bias = _pick(u, 0, shift, bias, _S1)
-    shift, bias = _pick(u, 0, shift, bias, _S2)
-    shift, bias = _pick(u, 0, shift, bias, _S3)
-    code = tl.where(u >= _S0[0], _round_piece(u, shift, bias), _subnormal_code(q, 131072.0))  # 2^17
+    offset = tl.full(u.shape, _S0[4], tl.uint32)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S1)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S2)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S3)
+    code = tl.where(u >= _S0[0], _round_piece(u, shift, offset), _subnormal_code(q, 131072.0))  # 2^17
     return tl.minimum(code, 125)
 
 
@@ -173,10 +173,10 @@ def _unsigned_magnitude_code(q):
     """``magnitude_code<UnsignedMap>``."""
     u = q.to(tl.uint32, bitcast=True)
     shift = tl.full(u.shape, _U0[2], tl.uint32)
-    bias = tl.full(u.shape, _U0[3], tl.uint32)
-    shift, bias = _pick(u, 0, shift, bias, _U1)
-    shift, bias = _pick(u, 0, shift, bias, _U2)
-    code = tl.where(u >= _U0[0], _round_piece(u, shift, bias), _subnormal_code(q, 4294967296.0))  # 2^32
+    offset = tl.full(u.shape, _U0[4], tl.uint32)
+    shift, offset = _pick(u, 0, 4, shift, offset, _U1)
+    shift, offset = _pick(u, 0, 4, shift, offset, _U2)
+    code = tl.where(u >= _U0[0], _round_piece(u, shift, offset), _subnormal_code(q, 4294967296.0))  # 2^32
     return tl.minimum(code, 253)
 
 
@@ -185,9 +185,9 @@ def _signed_magnitude_value(c):
     """``magnitude_value<SignedMap>``."""
     shift = tl.full(c.shape, _S0[2], tl.uint32)
     bias = tl.full(c.shape, _S0[3], tl.uint32)
-    shift, bias = _pick(c, 1, shift, bias, _S1)
-    shift, bias = _pick(c, 1, shift, bias, _S2)
-    shift, bias = _pick(c, 1, shift, bias, _S3)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S1)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S2)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S3)
     normal = ((c + bias) << shift).to(tl.float32, bitcast=True)
     return tl.where(c >= _S0[1], normal, c.to(tl.float32) * 7.62939453125e-06)  # 2^-17
 
@@ -197,15 +197,10 @@ def _unsigned_magnitude_value(c):
     """``magnitude_value<UnsignedMap>``."""
     shift = tl.full(c.shape, _U0[2], tl.uint32)
     bias = tl.full(c.shape, _U0[3], tl.uint32)
-    shift, bias = _pick(c, 1, shift, bias, _U1)
-    shift, bias = _pick(c, 1, shift, bias, _U2)
+    shift, bias = _pick(c, 1, 3, shift, bias, _U1)
+    shift, bias = _pick(c, 1, 3, shift, bias, _U2)
     normal = ((c + bias) << shift).to(tl.float32, bitcast=True)
     return tl.where(c >= _U0[1], normal, c.to(tl.float32) * 2.3283064365386962890625e-10)  # 2^-32
-
-
-@triton.jit
-def _finite_magnitude_of_bits(magnitude_bits):
-    return tl.where(magnitude_bits < 0x7F800000, magnitude_bits, 0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -213,7 +208,7 @@ def _encode_signed(x, factor):
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude_bits = bits & 0x7FFFFFFF
-    code = _signed_magnitude_code(_finite_magnitude_of_bits(magnitude_bits) * factor)
+    code = _signed_magnitude_code(magnitude_bits.to(tl.float32, bitcast=True) * factor)  # inf, NaN: replaced below
     code = tl.where(magnitude_bits == 0x7F800000, _SIGNED_INF, code)
     code = tl.where(magnitude_bits > 0x7F800000, _SIGNED_NAN, code)
     return (code | sign).to(tl.uint8)
@@ -233,7 +228,7 @@ def _decode_signed(code, factor):
 def _encode_unsigned(x, factor):
     bits = x.to(tl.uint32, bitcast=True)
     magnitude_bits = bits & 0x7FFFFFFF
-    code = _unsigned_magnitude_code(_finite_magnitude_of_bits(magnitude_bits) * factor)
+    code = _unsigned_magnitude_code(magnitude_bits.to(tl.float32, bitcast=True) * factor)
     code = tl.where((code == 0) & (magnitude_bits != 0), 1, code)  # positive stays positive
     code = tl.where(magnitude_bits == 0x7F800000, _UNSIGNED_INF, code)
     code = tl.where((magnitude_bits > 0x7F800000) | (bits > 0x80000000), _UNSIGNED_NAN, code)

@@ -114,6 +114,10 @@ struct CodePiece {
   uint32_t first_code;
   uint32_t shift;  // 23 - mantissa bits
   uint32_t bias;   // code = (exponent << mantissa bits | mantissa) - bias
+  // Rounding to nearest even then subtracting the bias: code = (u + round_offset + lsb) >> shift.
+  FUSEDOFF_HOST_DEVICE constexpr uint32_t round_offset() const {
+    return (1u << (shift - 1u)) - 1u - (bias << shift);
+  }
 };
 
 // Both maps put the block's scale on the code value kCodeTop (1 + 29/32, the top code of a binade
@@ -160,19 +164,21 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float code_scale(float absmax) {
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float encode_factor(float absmax) { return kCodeTop / code_scale(absmax); }
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float decode_factor(float absmax) { return code_scale(absmax) / kCodeTop; }
 
-// The code of a finite q >= 0 (at most kMaxCode). Branch-free: each piece is a compare and two
+// The code of q >= 0 (at most kMaxCode; inf and NaN give some code). Branch-free: each piece is a compare and two
 // selects, then one variable shift.
 template <typename Map>
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t magnitude_code(float q) {
   const uint32_t u = float_to_bits(q);
   uint32_t shift = Map::piece(0).shift;
-  uint32_t bias = Map::piece(0).bias;
+  uint32_t offset = Map::piece(0).round_offset();
   for (int p = 1; p < Map::kPieces; ++p) {
     const bool in = u >= Map::piece(p).first_bits;
     shift = in ? Map::piece(p).shift : shift;
-    bias = in ? Map::piece(p).bias : bias;
+    offset = in ? Map::piece(p).round_offset() : offset;
   }
-  const uint32_t normal = ((u + ((1u << (shift - 1u)) - 1u) + ((u >> shift) & 1u)) >> shift) - bias;
+  // ((u + half - 1 + lsb) >> shift) - bias, the bias folded into the offset (mod 2^32: in the piece
+  // the sum does not wrap; outside it the result is not taken).
+  const uint32_t normal = (u + offset + ((u >> shift) & 1u)) >> shift;
   // Below the first piece: an integer count of the smallest step, rounded to nearest even by the
   // fp32 addition of 2^23 (the scaling by a power of two is exact).
   const uint32_t subnormal = float_to_bits(q * Map::kSubnormalScale + 8388608.0f) - 0x4b000000u;
@@ -203,9 +209,8 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint8_t encode_signed(float x, float encode
   const uint32_t bits = float_to_bits(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t magnitude_bits = bits & 0x7fffffffu;
-  const bool finite = magnitude_bits < 0x7f800000u;
-  const float q = bits_to_float(finite ? magnitude_bits : 0u) * encode_factor;
-  uint32_t code = magnitude_code<SignedMap>(q);
+  // inf and NaN make q inf or NaN, whose code is replaced below.
+  uint32_t code = magnitude_code<SignedMap>(bits_to_float(magnitude_bits) * encode_factor);
   code = magnitude_bits == 0x7f800000u ? kSignedInf : code;
   code = magnitude_bits > 0x7f800000u ? kSignedNan : code;
   return static_cast<uint8_t>(code | sign);
@@ -226,9 +231,7 @@ constexpr uint32_t kUnsignedInf = 0xfeu;
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint8_t encode_unsigned(float x, float encode_factor) {
   const uint32_t bits = float_to_bits(x);
   const uint32_t magnitude_bits = bits & 0x7fffffffu;
-  const bool finite = magnitude_bits < 0x7f800000u;
-  const float q = bits_to_float(finite ? magnitude_bits : 0u) * encode_factor;
-  uint32_t code = magnitude_code<UnsignedMap>(q);
+  uint32_t code = magnitude_code<UnsignedMap>(bits_to_float(magnitude_bits) * encode_factor);
   code = (code == 0 && magnitude_bits != 0) ? 1u : code;  // positive stays positive
   code = magnitude_bits == 0x7f800000u ? kUnsignedInf : code;
   // NaN, -inf and negative values (never a second moment): NaN. -0.0 is 0.
