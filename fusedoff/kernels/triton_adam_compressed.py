@@ -4,12 +4,14 @@ Per element, the update of ``triton_adam`` (its ``_adam_scalars`` and ``_adam_up
 ``adam_scalars`` and ``adam_update`` without amsgrad), with the moments decoded before it and encoded
 after it in the same pass, as [note: compressed states] in ``csrc/include/fusedoff/state_codec.h``
 describes: bf16 states written with stochastic rounding, or 8-bit codes with one fp32 absmax per
-block of ``QUANT_BLOCK`` elements (decoded with the old absmax, encoded with the block's new one).
+block of ``QUANT_BLOCK`` elements (decoded with the old absmax's factor, encoded with the block's new one's).
 The codec below is a line-for-line mirror of state_codec.h: ``_mix32`` is ``mix32``,
 ``_rounding_step_key`` ``rounding_step_key``, ``_rounding_bits`` ``rounding_bits``,
-``_float_to_bf16_stochastic`` ``float_to_bf16_stochastic``, ``_magnitude_code`` ``magnitude_code``,
-``_encode_signed``/``_decode_signed``, ``_encode_unsigned``/``_decode_unsigned`` and
-``_finite_magnitude`` their namesakes. Change one, change the other, and ``fusedoff/kernels/codec.py``;
+``_float_to_bf16_stochastic`` ``float_to_bf16_stochastic``, ``_signed_magnitude_code`` and
+``_unsigned_magnitude_code`` ``magnitude_code<SignedMap>`` and ``<UnsignedMap>`` (likewise
+``_*_magnitude_value``), ``_encode_factor``/``_decode_factor``, ``_encode_signed``/``_decode_signed``,
+``_encode_unsigned``/``_decode_unsigned`` and ``_finite_magnitude`` their namesakes; the maps' pieces
+are codec.py's. Change one, change the other, and ``fusedoff/kernels/codec.py``;
 the loop is that of ``csrc/cpu/adam_compressed_cpu.cpp``.
 
 How it stays faithful to the C++:
@@ -26,8 +28,9 @@ How it stays faithful to the C++:
   ``uint32(step)`` of the fp32 count, like the C++ ``static_cast``; the tensor key is a ``tl.uint32``
   argument and the range's ``offset`` a ``tl.int64`` one (neither specialised: a new key or offset
   compiles nothing), so element ``e`` draws ``rounding_bits(step_key, offset + e)`` in 64 bits.
-- The only fp32 rounding in the codec besides the decode's ``value * absmax`` is ``x / absmax``
-  (``div_rn``); ``q * 2^k + 2^23`` is exact whether or not it contracts to an FMA. So, given the same
+- The only fp32 roundings in the codec are the block's factors (``div_rn``), ``q = |x| * factor``
+  and the decode's ``value * factor``; no product feeds an addition but ``q * 2^k + 2^23``, which is
+  exact whether or not it contracts to an FMA. So, given the same
   decoded-and-updated fp32 moments, codes and bf16 bits are those of the C++. The Adam update itself
   may contract multiply-adds to FMAs in a compiled kernel (see triton_adam.py), and an ulp there
   can flip a stored code. Under the interpreter nothing contracts and the results are bitwise those
