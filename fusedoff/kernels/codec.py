@@ -125,7 +125,10 @@ def encode_factor(absmax: Tensor) -> Tensor:
 
 
 def decode_factor(absmax: Tensor) -> Tensor:
-    return code_scale(absmax.to(torch.float32)) / CODE_TOP
+    """The per-block factor value = decode(code) * decode_factor. (Both divide by a tensor: torch's
+    CUDA division by a Python scalar multiplies by its reciprocal, which rounds differently.)"""
+    scale = code_scale(absmax.to(torch.float32))
+    return scale / torch.full_like(scale, CODE_TOP)
 
 
 def _select_piece(key: Tensor, pieces, index: int, field: int) -> tuple[Tensor, Tensor]:
