@@ -33,38 +33,92 @@ def spanning_values(n: int, seed: int, low: float = -12, high: float = 0) -> tor
     return x
 
 
-def test_first_moment_codes_are_float8_e4m3fn_of_q_times_256():
-    q = spanning_values(50_000, 0, low=-7, high=0).clamp(-1, 1)
-    q = torch.cat([q, torch.tensor([1.0, -1.0, 2.0**-14, 2.0**-17, 2.0**-18, 3 * 2.0**-18, -0.0])])
-    ones = torch.ones_like(q)
-    codes = codec.encode_signed(q, ones)
-    want = (q.double() * 256).to(torch.float8_e4m3fn)
-    assert torch.equal(codes, want.view(torch.uint8))
-    assert torch.equal(codec.decode_signed(codes, ones).double(), want.double() / 256)
+# The 8-bit maps by their definition ([note: compressed states]): the mantissa bits of each binade
+# [2^e, 2^(e+1)) of q = |x| * CODE_TOP / absmax, and the step of the codes below the lowest.
+SIGNED_BINADES = {0: 5, -1: 4, -2: 4, -3: 3, -4: 3, **{e: 2 for e in range(-15, -4)}}
+UNSIGNED_BINADES = {0: 5, -1: 5, **{e: 4 for e in range(-7, -1)}, **{e: 2 for e in range(-30, -7)}}
+SUBNORMAL_STEP = {True: 2.0**-17, False: 2.0**-32}
+MAX_CODE = {True: 125, False: 253}
 
 
-def unsigned_grid() -> torch.Tensor:
-    """Every value of the second-moment map, by its definition: (1 + m/8) 2^e for e in [-30, 0] and
-    m/8 2^-30 below, in code order."""
-    values = [m / 8 * 2.0**-30 for m in range(8)]
-    values += [(1 + m / 8) * 2.0**e for e in range(-30, 1) for m in range(8)]
-    return torch.tensor(values[:249], dtype=torch.float64)  # up to 1.0 (code 248)
+def binades(signed: bool) -> dict:
+    return SIGNED_BINADES if signed else UNSIGNED_BINADES
 
 
-def test_second_moment_codes_round_to_the_nearest_grid_value_ties_to_even():
-    grid = unsigned_grid()
-    v = spanning_values(20_000, 1, low=-11, high=0).abs().clamp(max=1)
-    v = torch.cat([v, torch.tensor([1.0, 2.0**-30, 2.0**-33, 2.0**-34, 2.0**-40, 1e-45]),
-                   ((grid[1:] + grid[:-1]) / 2).float()])  # exact midpoints
-    codes = codec.encode_unsigned(v, torch.ones_like(v)).long()
-    distance = (v.double()[:, None] - grid[None]).abs()
+def map_grid(signed: bool) -> torch.Tensor:
+    """Every magnitude of a map in code order: 0 and the steps below the lowest binade, then each
+    binade's 2^bits values, up to the largest code (1 + 29/32)."""
+    values = [k * SUBNORMAL_STEP[signed] for k in range(4)]
+    for e, bits in sorted(binades(signed).items()):
+        values += [(1 + m / 2**bits) * 2.0**e for m in range(2**bits)]
+    return torch.tensor(values[: MAX_CODE[signed] + 1], dtype=torch.float64)
+
+
+def half_step(q: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Half the distance between the codes around each q >= 0 (float64): the largest rounding error."""
+    table = binades(signed)
+    lowest = min(table)
+    e = torch.floor(torch.log2(q.clamp(min=2.0**lowest))).clamp(lowest, 0).long()
+    bits = torch.tensor([table[int(k)] for k in range(lowest, 1)], dtype=torch.float64)[e - lowest]
+    step = torch.where(q >= 2.0**lowest, 2.0 ** (e.double() - bits), SUBNORMAL_STEP[signed])
+    return step / 2
+
+
+def test_the_maps_are_the_tapered_grids_of_the_note():
+    for signed in (True, False):
+        grid = map_grid(signed)
+        assert grid.numel() == MAX_CODE[signed] + 1 and torch.all(grid[1:] > grid[:-1])
+        assert grid[-1] == codec.CODE_TOP
+        codes = torch.arange(MAX_CODE[signed] + 1).to(torch.uint8)
+        decode = codec.decode_signed if signed else codec.decode_unsigned
+        assert torch.equal(decode(codes, torch.ones(codes.shape)).double(), grid)
+        if signed:  # the sign bit
+            assert torch.equal(decode(codes | 0x80, torch.ones(codes.shape)).double(), -grid)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_codes_round_to_the_nearest_grid_value_ties_to_even(signed):
+    grid = map_grid(signed)
+    q = spanning_values(20_000, 1, low=-12, high=0.28).abs().clamp(max=codec.CODE_TOP)
+    q = torch.cat([q, torch.tensor([codec.CODE_TOP, 1.0, 2.0**-15, 2.0**-17, 2.0**-18, 2.0**-30, 2.0**-33, 2.0**-40,
+                                    1e-45]), grid.float(), ((grid[1:] + grid[:-1]) / 2).float()])  # exact midpoints
+    encode = codec.encode_signed if signed else codec.encode_unsigned
+    codes = encode(q, torch.ones_like(q)).long()
+    distance = (q.double()[:, None] - grid[None]).abs()
     nearest = distance.min(dim=1).values
-    got = (v.double() - grid[codes]).abs()
-    positive_floor = (v > 0) & (codes == 1) & (v.double() <= grid[1] / 2)  # a positive value never becomes 0
+    got = (q.double() - grid[codes]).abs()
+    # a positive second moment never becomes 0: the smallest code instead
+    positive_floor = (q > 0) & (codes == 1) & (q.double() <= grid[1] / 2) & (not signed)
     assert torch.all((got == nearest) | positive_floor)
+    assert torch.all((got <= half_step(q.double(), signed)) | positive_floor)
     ties = ((distance == nearest[:, None]).sum(dim=1) == 2) & ~positive_floor
     assert ties.sum() > 100 and torch.all(codes[ties] % 2 == 0)  # ties to the even code
-    assert torch.all(codes[v > 0] > 0)
+    if not signed:
+        assert torch.all(codes[q > 0] > 0)
+    else:  # the sign is a bit of its own
+        assert torch.equal(codec.encode_signed(-q, torch.ones_like(q)).long(), codes | 0x80)
+
+
+def test_a_positive_second_moment_never_decodes_to_0():
+    tiny = torch.tensor([1e-45, 1e-40, 2.0**-126, 1e-30])
+    for absmax in tiny:
+        codes, scales = codec.quantize(tiny.clamp(max=absmax), signed=False)
+        assert torch.all(codes > 0) and torch.all(codec.dequantize(codes, scales, signed=False) > 0)
+
+
+def test_version_1_codes_decode_as_they_were_written():
+    """The first map (kept to read its checkpoints): float8_e4m3fn of x / absmax * 2^8 for first
+    moments; for second moments (1 + m/8) 2^e, e in [-30, 0], and m/8 2^-30 below, 1.0 at 0xf8."""
+    codes = torch.arange(256).to(torch.uint8)
+    absmax = torch.full((256,), 3.0)
+    want = codes.view(torch.float8_e4m3fn).double() / 256 * 3.0
+    got = codec.decode_signed_v1(codes, absmax).double()
+    finite = torch.isfinite(got) & ((codes & 0x7F) < 0x7E)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.isinf(got[[0x7E, 0xFE]]).all() and torch.isnan(got[[0x7F, 0xFF]]).all()
+    grid = [m / 8 * 2.0**-30 for m in range(8)] + [(1 + m / 8) * 2.0**e for e in range(-30, 1) for m in range(8)]
+    grid = torch.tensor(grid[:249], dtype=torch.float64) * 3.0
+    assert torch.equal(codec.decode_unsigned_v1(codes[:249], absmax[:249]).double(), grid)
 
 
 def test_special_values_keep_their_own_codes():
@@ -77,18 +131,37 @@ def test_special_values_keep_their_own_codes():
     assert torch.isnan(unsigned[0]) and unsigned[1] == math.inf and torch.isnan(unsigned[2:]).all()
 
 
+def quantization_bound(x: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The largest error of a stored value (float64): half the step around q = |x| CODE_TOP / scale,
+    in x's units (for a positive second moment at least the smallest code), with 2^-21 of the value
+    for the fp32 roundings of the factors, q and the decode."""
+    scale = absmax.double().clamp(min=codec.MIN_CODE_SCALE)
+    q = x.double().abs() * codec.CODE_TOP / scale
+    rounding = half_step(q, signed)
+    if not signed:  # a positive value below half the smallest code takes that code
+        rounding = torch.where(q > 0, torch.maximum(rounding, torch.full_like(q, SUBNORMAL_STEP[False])), rounding)
+    return rounding * scale / codec.CODE_TOP + 2.0**-21 * x.double().abs()
+
+
 def test_quantize_uses_one_scale_per_block_of_finite_magnitudes():
     x = spanning_values(1000, 2, low=-6, high=1)
     x[300] = float("inf")
-    codes, absmax = codec.quantize(x, signed=True)
-    blocks = torch.cat([x, x.new_zeros(24)]).view(4, 256)
-    want = torch.where(torch.isfinite(blocks), blocks.abs(), 0).amax(dim=1)
-    assert torch.equal(absmax, want)
-    back = codec.dequantize(codes, absmax, signed=True)
-    assert back[300] == math.inf
-    finite = torch.isfinite(x)
-    scale = absmax.repeat_interleave(256)[:1000]
-    assert torch.all((back[finite] - x[finite]).abs() <= x[finite].abs() * 2.0**-4 + scale[finite] * 2.0**-18)
+    for signed in (True, False):
+        values = x if signed else x.abs()
+        codes, absmax = codec.quantize(values, signed=signed)
+        blocks = torch.cat([values, values.new_zeros(24)]).view(4, 256)
+        want = torch.where(torch.isfinite(blocks), blocks.abs(), 0).amax(dim=1)
+        assert torch.equal(absmax, want)
+        back = codec.dequantize(codes, absmax, signed=signed)
+        assert back[300] == math.inf
+        finite = torch.isfinite(values)
+        scale = absmax.repeat_interleave(256)[:1000]
+        error = (back[finite].double() - values[finite].double()).abs()
+        bound = quantization_bound(values[finite], scale[finite], signed)
+        assert torch.all(error <= bound) and (error / bound).max() > 0.25
+        largest = torch.where(torch.isfinite(blocks), blocks.abs(), -1).argmax(dim=1) + torch.arange(4) * 256
+        largest = largest[largest < 1000]
+        assert torch.allclose(back[largest], values[largest], rtol=2.0**-22, atol=0)  # the scale, within an ulp
 
 
 # ---- one step against the float64 oracle --------------------------------------------------------------
@@ -138,9 +211,8 @@ def test_one_step_error_is_bounded_by_the_quantization_step(backend, device, pre
     """Error of the stored moments against the float64 step from the same decoded states:
     fp32 arithmetic (a few roundings: 2^-22 of the terms) plus the storage's rounding: for bf16
     one bf16 ulp (< 2^-7 |x|, stochastic rounding moves to either neighbour); for 8-bit half a
-    step of 3 mantissa bits (2^-4 |x|), or below the normal codes half the smallest step
-    (2^-18 of the block's absmax, signed) or the smallest code itself (2^-33 of it, unsigned:
-    positive values never round to zero). The parameter is updated from the fp32 moments before
+    step of the value's binade, or for a positive second moment below the smallest code that code
+    itself (positive values never round to zero): quantization_bound. The parameter is updated from the fp32 moments before
     they are stored: only fp32 arithmetic error."""
     sizes = (1000, 257, 7) if backend == "triton" else SIZES
     tensors = compressed_problem(precision, sizes, seed=3, param_dtype=param_dtype, device=device)
@@ -162,10 +234,10 @@ def test_one_step_error_is_bounded_by_the_quantization_step(backend, device, pre
             bound_m = 2.0**-7 * m64.abs() * (1 + 2.0**-20) + arithmetic_m + 1e-40
             bound_v = 2.0**-7 * v64 * (1 + 2.0**-20) + arithmetic_v + 1e-40
         else:
-            scale_m = m_scale[i].double().repeat_interleave(256)[: sizes[i]]
-            scale_v = v_scale[i].double().repeat_interleave(256)[: sizes[i]]
-            bound_m = (2.0**-4 * m64.abs() + 2.0**-18 * scale_m) * (1 + 2.0**-20) + arithmetic_m
-            bound_v = (2.0**-4 * v64 + 2.0**-33 * scale_v) * (1 + 2.0**-20) + arithmetic_v
+            scale_m = m_scale[i].repeat_interleave(256)[: sizes[i]]
+            scale_v = v_scale[i].repeat_interleave(256)[: sizes[i]]
+            bound_m = quantization_bound(m64, scale_m, True) * (1 + 2.0**-20) + arithmetic_m
+            bound_v = quantization_bound(v64, scale_v, False) * (1 + 2.0**-20) + arithmetic_v
         err_m, err_v = (got_m - m64).abs(), (got_v - v64).abs()
         assert torch.all(err_m <= bound_m), (i, (err_m / bound_m).max().item())
         assert torch.all(err_v <= bound_v), (i, (err_v / bound_v).max().item())
@@ -387,11 +459,61 @@ def test_a_torch_checkpoint_loads_compressed_and_converts_back(precision):
                     codec.dequantize(stored.reshape(-1), opt.state[p][f"{name}_absmax"], signed).reshape(p.shape))
             assert back.state[p][name].dtype == torch.float32 and torch.equal(back.state[p][name], want)
             # within the storage's rounding of torch's own state
-            tol = 2.0**-8 if precision == "bf16" else 2.0**-4
-            scale = 0 if precision == "bf16" else 2.0**-17 * reference.state[p][name].abs().max()
-            assert torch.all((want - reference.state[p][name]).abs() <= tol * reference.state[p][name].abs() + scale)
+            ref = reference.state[p][name]
+            if precision == "bf16":
+                assert torch.all((want - ref).abs() <= 2.0**-8 * ref.abs())
+            else:
+                scale = opt.state[p][f"{name}_absmax"].repeat_interleave(256)[: p.numel()].reshape(p.shape)
+                assert torch.all((want - ref).double().abs() <= quantization_bound(ref, scale, signed))
     assert isinstance(opt.state[params[0]]["exp_avg"], torch.Tensor)  # the optimizer's own states untouched
     assert opt.state[params[0]]["exp_avg"].dtype == codec.state_dtype(precision)
+
+
+def version_1_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the first 8-bit map wrote for flat fp32 `x`, by its definition: per block of 256 the
+    absmax, and float8_e4m3fn of x / absmax * 2^8 (signed) or the nearest value of its grid
+    (unsigned); with the values those codes stand for (float64)."""
+    absmax = codec.block_absmax(x)
+    scale = absmax.double().repeat_interleave(256)[: x.numel()]
+    if signed:
+        codes = (x.double() / scale * 256).to(torch.float8_e4m3fn)
+        return codes.view(torch.uint8), absmax, codes.double() / 256 * scale
+    grid = [m / 8 * 2.0**-30 for m in range(8)] + [(1 + m / 8) * 2.0**e for e in range(-30, 1) for m in range(8)]
+    grid = torch.tensor(grid[:249], dtype=torch.float64)
+    codes = (x.double()[:, None] / scale[:, None] - grid[None]).abs().argmin(dim=1)
+    return codes.to(torch.uint8), absmax, grid[codes] * scale
+
+
+@pytest.mark.parametrize("offload", ["none", "stream"])
+def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
+    """A state dict without the codec version (written before the tapered map) is read with the
+    first map and encoded with this one; a dict this version saves says its version."""
+    params = make_params()
+    opt = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit")
+    train(opt, params, 3)
+    old = copy.deepcopy(opt.state_dict())
+    for group in old["param_groups"]:
+        assert group.pop(codec.CODEC_VERSION_KEY) == codec.CODEC_VERSION
+    want = {}
+    for pid, state in old["state"].items():
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            values = codec.dequantize(state[name].reshape(-1), state[f"{name}_absmax"], signed)
+            codes, state[f"{name}_absmax"], meant = version_1_codes(values, signed)
+            state[name] = codes.reshape(state[name].shape)
+            want[pid, name] = codec.quantize(meant.float(), signed)
+    resumed = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit", offload=offload, chunk_size=32)
+    resumed.load_state_dict(old)
+    for pid, p in enumerate(params):
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes, absmax = want[pid, name]
+            assert torch.equal(resumed.state[p][name].reshape(-1), codes)
+            assert torch.equal(resumed.state[p][f"{name}_absmax"], absmax)
+    assert all(codec.CODEC_VERSION_KEY not in group for group in resumed.param_groups)  # not an option
+    train(resumed, params, 1)  # and it steps on
+    assert all(g[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for g in resumed.state_dict()["param_groups"])
+    future = {**old, "param_groups": [{**g, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION + 1} for g in old["param_groups"]]}
+    with pytest.raises(ValueError, match="codec version"):
+        fusedoff.AdamW(params, lr=1e-2, state_precision="8bit").load_state_dict(future)
 
 
 def test_an_fp32_optimizer_decodes_a_compressed_checkpoint():
@@ -543,9 +665,13 @@ def test_a_checkpoint_loads_into_a_parameter_of_another_memory_layout(precision)
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         assert loaded.state[other][name].stride() == other.stride()
         # one more rounding (bf16 and codes are exact in fp32, so only 8-bit requantizes): within a step
-        tol = 0 if precision == "bf16" else 2.0**-4
-        scale = 0 if precision == "bf16" else 2.0**-17 * decoded[name].abs().max()
-        assert torch.all((again[name] - decoded[name]).abs() <= tol * decoded[name].abs() + scale), name
+        if precision == "bf16":
+            assert torch.equal(again[name], decoded[name]), name
+            continue
+        absmax = loaded.state[other][f"{name}_absmax"]  # blocks in the new memory order
+        scale = absmax.repeat_interleave(256)[: other.numel()].as_strided(other.shape, other.stride())
+        bound = quantization_bound(decoded[name], scale, signed)
+        assert torch.all((again[name] - decoded[name]).double().abs() <= bound), name
 
 
 @pytest.mark.parametrize("placement", ["resident", "streamed"])

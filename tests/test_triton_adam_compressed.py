@@ -198,46 +198,52 @@ def _codec_kernel(x_ptr, absmax_ptr, code_ptr, random16_ptr, signed_code_ptr, un
     x = tl.load(x_ptr + offsets, mask=mask)
     absmax = tl.load(absmax_ptr + offsets, mask=mask)
     code = tl.load(code_ptr + offsets, mask=mask)
-    tl.store(signed_code_ptr + offsets, triton_adam_compressed._encode_signed(x, absmax), mask=mask)
-    tl.store(unsigned_code_ptr + offsets, triton_adam_compressed._encode_unsigned(x, absmax), mask=mask)
-    tl.store(signed_ptr + offsets, triton_adam_compressed._decode_signed(code, absmax), mask=mask)
-    tl.store(unsigned_ptr + offsets, triton_adam_compressed._decode_unsigned(code, absmax), mask=mask)
+    encode = triton_adam_compressed._encode_factor(absmax)
+    decode = triton_adam_compressed._decode_factor(absmax)
+    tl.store(signed_code_ptr + offsets, triton_adam_compressed._encode_signed(x, encode), mask=mask)
+    tl.store(unsigned_code_ptr + offsets, triton_adam_compressed._encode_unsigned(x, encode), mask=mask)
+    tl.store(signed_ptr + offsets, triton_adam_compressed._decode_signed(code, decode), mask=mask)
+    tl.store(unsigned_ptr + offsets, triton_adam_compressed._decode_unsigned(code, decode), mask=mask)
     random16 = tl.load(random16_ptr + offsets, mask=mask).to(tl.uint32)
     tl.store(bf16_ptr + offsets, triton_adam_compressed._float_to_bf16_stochastic(x, random16), mask=mask)
 
 
 def _codec_inputs():
     """(x, absmax): every code's value, the ties between neighbours (round to even) and an ulp either
-    side, the subnormal codes' range down to below half the smallest step, random values; scaled
-    by powers of two (exact) and by random scales; signed zeros, infinities, quiet and signalling
-    NaNs (bf16 must quiet them), negatives."""
+    side, the subnormal codes' range down to below half the smallest step, random values; under
+    absmax = CODE_TOP times powers of two (the factors are then exact) and random scales; signed
+    zeros, infinities, quiet and signalling NaNs (bf16 must quiet them), negatives; scales below the
+    smallest normal."""
     gen = torch.Generator().manual_seed(0)
     all_codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
     ones = torch.ones(256)
     grid = torch.cat([codec.decode_signed(all_codes, ones), codec.decode_unsigned(all_codes, ones)])
-    grid = grid[grid.isfinite()].abs().unique().double()  # sorted, from 0 to 1
+    grid = grid[grid.isfinite()].abs().unique().double()  # sorted, from 0 to CODE_TOP
     ties = ((grid[1:] + grid[:-1]) / 2).float()  # exact: one bit more than a code
     q = torch.cat([grid.float(), ties, torch.nextafter(ties, torch.tensor(0.0)),
-                   torch.nextafter(ties, torch.tensor(1.0)), torch.tensor([2.0**-35, 2.0**-34, 2.0**-18, 1e-45]),
+                   torch.nextafter(ties, torch.tensor(2.0)), torch.tensor([2.0**-35, 2.0**-34, 2.0**-18, 1e-45]),
                    torch.rand(2000, generator=gen), 2.0 ** -(40 * torch.rand(2000, generator=gen))])
     q = torch.cat([q, -q])
     xs, scales = [], []
     for scale in (1.0, 2.0**-20, 2.0**40):
         xs.append(q * scale)
-        scales.append(torch.full_like(q, scale))
+        scales.append(torch.full_like(q, codec.CODE_TOP * scale))
     random_scale = torch.rand(q.numel(), generator=gen) * 10.0 ** torch.randint(-8, 3, (q.numel(),), generator=gen)
     xs.append(q * random_scale)  # q * scale / scale is not q: the division rounds
     scales.append(random_scale)
     signalling_nans = torch.tensor([0x7F800001, 0x7FA00000, -0x7F7FFFFF], dtype=torch.int32).view(torch.float32)
     specials = torch.cat([torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45,
                                         -3.0]), signalling_nans])
-    for scale in (0.0, 1.0, 1e-3):  # absmax 0: an all-zero block (divides by 1)
+    xs.append(q * 2.0**-140)  # a block whose largest value is subnormal: scale 2^-126
+    scales.append(torch.full_like(q, 2.0**-139))
+    for scale in (0.0, 1.0, 1e-3):  # absmax 0: an all-zero block
         xs.append(specials)
         scales.append(torch.full_like(specials, scale))
     return torch.cat(xs), torch.cat(scales)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf / inf, on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # x * factor of x > absmax, on purpose
 def test_codec_matches_codec_py_bitwise():
     x, absmax = _codec_inputs()
     n = x.numel()
@@ -248,8 +254,9 @@ def test_codec_matches_codec_py_bitwise():
                 signed=torch.empty(n), unsigned=torch.empty(n), bf16=torch.empty(n, dtype=torch.bfloat16))
     block = 1024
     _codec_kernel[(triton.cdiv(n, block),)](x, absmax, code, random16, *outs.values(), n, BLOCK=block)
-    want = dict(signed_code=codec.encode_signed(x, absmax), unsigned_code=codec.encode_unsigned(x, absmax),
-                signed=codec.decode_signed(code, absmax), unsigned=codec.decode_unsigned(code, absmax),
+    encode, decode = codec.encode_factor(absmax), codec.decode_factor(absmax)
+    want = dict(signed_code=codec.encode_signed(x, encode), unsigned_code=codec.encode_unsigned(x, encode),
+                signed=codec.decode_signed(code, decode), unsigned=codec.decode_unsigned(code, decode),
                 bf16=codec.bf16_stochastic(x, random16.to(torch.int64)))
     for name, got in outs.items():
         differ = (_bits(got) != _bits(want[name])).nonzero().flatten()
@@ -292,6 +299,7 @@ def test_found_inf_changes_nothing(oracle, precision):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf / inf, on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # x * factor of x > absmax, on purpose
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_non_finite_gradients_stay_in_their_element(oracle, precision):
     """NaN, +inf and -inf gradients (one in each 8-bit block, the last block partial) make their own

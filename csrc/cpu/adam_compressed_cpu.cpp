@@ -11,6 +11,7 @@
 #include "fusedoff/launchers.h"
 #include "blocks.h"
 #include "isa.h"
+#include "master_lanes.h"
 
 namespace fusedoff {
 namespace {
@@ -54,31 +55,36 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
                                           const AdamScalars& s) {
   P* __restrict__ param = static_cast<P*>(t.param) + block;
   const G* __restrict__ grad = static_cast<const G*>(t.grad) + block;
-  void* master = master_at<kMaster>(t.master, block);
+  MasterLanes<kMaster, kQuantBlock> lanes(t.master, block, block + n);  // see master_lanes.h
+  using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
+  void* block_master = lanes.lanes();
   const uint32_t salt = split8_salt(*t.step);
   uint8_t* __restrict__ m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
   uint8_t* __restrict__ v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
   const int64_t b = block / kQuantBlock;
-  const float m_scale = t.exp_avg_absmax[b];
-  const float v_scale = t.exp_avg_sq_absmax[b];
+  const float m_decode = decode_factor(t.exp_avg_absmax[b]);
+  const float v_decode = decode_factor(t.exp_avg_sq_absmax[b]);
   float m[kQuantBlock];
   float v[kQuantBlock];
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const Updated u = adam_updated(MasterWeight<kMaster, P>::load(master, param, i), load_float(grad + i),
-                                   decode_signed(m_codes[i], m_scale), decode_unsigned(v_codes[i], v_scale), scale, s);
-    MasterWeight<kMaster, P>::store(master, param, i, u.param, salt);
+    const Updated u = adam_updated(Master::load(block_master, param, i), load_float(grad + i),
+                                   decode_signed(m_codes[i], m_decode), decode_unsigned(v_codes[i], v_decode), scale, s);
+    Master::store(block_master, param, i, u.param, salt);
     m[i] = u.exp_avg;
     v[i] = u.exp_avg_sq;
   }
+  lanes.write_back();
   const float m_max = block_absmax(m, n);
   const float v_max = block_absmax(v, n);
   t.exp_avg_absmax[b] = m_max;
   t.exp_avg_sq_absmax[b] = v_max;
+  const float m_encode = encode_factor(m_max);
+  const float v_encode = encode_factor(v_max);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    m_codes[i] = encode_signed(m[i], m_max);
-    v_codes[i] = encode_unsigned(v[i], v_max);
+    m_codes[i] = encode_signed(m[i], m_encode);
+    v_codes[i] = encode_unsigned(v[i], v_encode);
   }
 }
 
@@ -109,20 +115,23 @@ static FUSEDOFF_INLINE void update_bf16(const CompressedAdamTensorPtrs& t, int64
                                         uint32_t span_key, uint32_t index_low, float scale, const AdamScalars& s) {
   P* __restrict__ param = static_cast<P*>(t.param) + begin;
   const G* __restrict__ grad = static_cast<const G*>(t.grad) + begin;
-  void* master = master_at<kMaster>(t.master, begin);
+  MasterLanes<kMaster, kBlockElements> lanes(t.master, begin, end);  // see master_lanes.h
+  using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
+  void* range_master = lanes.lanes();
   const uint32_t salt = split8_salt(*t.step);
   bfloat16_t* __restrict__ m_store = static_cast<bfloat16_t*>(t.exp_avg) + begin;
   bfloat16_t* __restrict__ v_store = static_cast<bfloat16_t*>(t.exp_avg_sq) + begin;
   const int64_t n = end - begin;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const Updated u = adam_updated(MasterWeight<kMaster, P>::load(master, param, i), load_float(grad + i),
+    const Updated u = adam_updated(Master::load(range_master, param, i), load_float(grad + i),
                                    load_float(m_store + i), load_float(v_store + i), scale, s);
-    MasterWeight<kMaster, P>::store(master, param, i, u.param, salt);
+    Master::store(range_master, param, i, u.param, salt);
     const uint32_t bits = rounding_bits_in_span(span_key, index_low + static_cast<uint32_t>(i));
     m_store[i].bits = float_to_bf16_stochastic(u.exp_avg, bits & 0xffffu);
     v_store[i].bits = float_to_bf16_stochastic(u.exp_avg_sq, bits >> 16);
   }
+  lanes.write_back();
 }
 };
 

@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kThreads)
     const int n = min(kQuantBlock, work.numel - qb * kQuantBlock);
     float m[kPerLane];
     float v[kPerLane];
-    const float m_scale = kBlock8 ? t.exp_avg_absmax[b] : 0.0f;
-    const float v_scale = kBlock8 ? t.exp_avg_sq_absmax[b] : 0.0f;
+    const float m_decode = kBlock8 ? decode_factor(t.exp_avg_absmax[b]) : 0.0f;
+    const float v_decode = kBlock8 ? decode_factor(t.exp_avg_sq_absmax[b]) : 0.0f;
     float m_max = 0.0f;
     float v_max = 0.0f;
 #pragma unroll
@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t e = first + i;
       float p = MasterWeight<kMaster, P>::load(t.master, param, e);
       if (kBlock8) {
-        m[k] = decode_signed(static_cast<const uint8_t*>(t.exp_avg)[e], m_scale);
-        v[k] = decode_unsigned(static_cast<const uint8_t*>(t.exp_avg_sq)[e], v_scale);
+        m[k] = decode_signed(static_cast<const uint8_t*>(t.exp_avg)[e], m_decode);
+        v[k] = decode_unsigned(static_cast<const uint8_t*>(t.exp_avg_sq)[e], v_decode);
       } else {
         m[k] = load_float(static_cast<const bfloat16_t*>(t.exp_avg) + e);
         v[k] = load_float(static_cast<const bfloat16_t*>(t.exp_avg_sq) + e);
@@ -129,12 +129,14 @@ __global__ void __launch_bounds__(kThreads)
       t.exp_avg_absmax[b] = m_max;
       t.exp_avg_sq_absmax[b] = v_max;
     }
+    const float m_encode = encode_factor(m_max);
+    const float v_encode = encode_factor(v_max);
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
       const int i = lane + 32 * k;
       if (i >= n) continue;
-      static_cast<uint8_t*>(t.exp_avg)[first + i] = encode_signed(m[k], m_max);
-      static_cast<uint8_t*>(t.exp_avg_sq)[first + i] = encode_unsigned(v[k], v_max);
+      static_cast<uint8_t*>(t.exp_avg)[first + i] = encode_signed(m[k], m_encode);
+      static_cast<uint8_t*>(t.exp_avg_sq)[first + i] = encode_unsigned(v[k], v_encode);
     }
   }
 }

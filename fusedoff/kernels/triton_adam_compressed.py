@@ -4,12 +4,14 @@ Per element, the update of ``triton_adam`` (its ``_adam_scalars`` and ``_adam_up
 ``adam_scalars`` and ``adam_update`` without amsgrad), with the moments decoded before it and encoded
 after it in the same pass, as [note: compressed states] in ``csrc/include/fusedoff/state_codec.h``
 describes: bf16 states written with stochastic rounding, or 8-bit codes with one fp32 absmax per
-block of ``QUANT_BLOCK`` elements (decoded with the old absmax, encoded with the block's new one).
+block of ``QUANT_BLOCK`` elements (decoded with the old absmax's factor, encoded with the block's new one's).
 The codec below is a line-for-line mirror of state_codec.h (with ``triton_common``'s ``mix32`` and
 ``rounding_step_key``, which master weights share): ``_rounding_bits`` is ``rounding_bits``,
-``_float_to_bf16_stochastic`` ``float_to_bf16_stochastic``, ``_magnitude_code`` ``magnitude_code``,
-``_encode_signed``/``_decode_signed``, ``_encode_unsigned``/``_decode_unsigned`` and
-``_finite_magnitude`` their namesakes. Change one, change the other, and ``fusedoff/kernels/codec.py``;
+``_float_to_bf16_stochastic`` ``float_to_bf16_stochastic``, ``_signed_magnitude_code`` and
+``_unsigned_magnitude_code`` ``magnitude_code<SignedMap>`` and ``<UnsignedMap>`` (likewise
+``_*_magnitude_value``), ``_encode_factor``/``_decode_factor``, ``_encode_signed``/``_decode_signed``,
+``_encode_unsigned``/``_decode_unsigned`` and ``_finite_magnitude`` their namesakes; the maps' pieces
+are codec.py's. Change one, change the other, and ``fusedoff/kernels/codec.py``;
 the loop is that of ``csrc/cpu/adam_compressed_cpu.cpp``.
 
 How it stays faithful to the C++:
@@ -27,8 +29,9 @@ How it stays faithful to the C++:
   ``uint32(step)`` of the fp32 count, like the C++ ``static_cast``; the tensor key is a ``tl.uint32``
   argument and the range's ``offset`` a ``tl.int64`` one (neither specialised: a new key or offset
   compiles nothing), so element ``e`` draws ``rounding_bits(step_key, offset + e)`` in 64 bits.
-- The only fp32 rounding in the codec besides the decode's ``value * absmax`` is ``x / absmax``
-  (``div_rn``); ``q * 2^k + 2^23`` is exact whether or not it contracts to an FMA. So, given the same
+- The only fp32 roundings in the codec are the block's factors (``div_rn``), ``q = |x| * factor``
+  and the decode's ``value * factor``; no product feeds an addition but ``q * 2^k + 2^23``, which is
+  exact whether or not it contracts to an FMA. So, given the same
   decoded-and-updated fp32 moments, codes and bf16 bits are those of the C++. The Adam update itself
   may contract multiply-adds to FMAs in a compiled kernel (see triton_adam.py), and an ulp there
   can flip a stored code. Under the interpreter nothing contracts and the results are bitwise those
@@ -103,59 +106,133 @@ def _float_to_bf16_stochastic(value, random16):
 
 
 # ---- 8-bit codes ------------------------------------------------------------------------------
-@triton.jit
-def _magnitude_code(magnitude, min_normal_bits, bias_bits, subnormal_scale):
-    u = magnitude.to(tl.uint32, bitcast=True)
-    normal = tl.sub((u + 0x7FFFF + ((u >> 20) & 1)) >> 20, bias_bits, sanitize_overflow=False)
-    subnormal = (magnitude * subnormal_scale + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
-    return tl.where(u >= min_normal_bits, normal, subnormal)
+# The maps' pieces as constexprs (first_bits, first_code, shift, bias), lowest first; see codec.py.
+_CODE_TOP = tl.constexpr(codec.CODE_TOP)
+_MIN_CODE_SCALE = tl.constexpr(codec.MIN_CODE_SCALE)
+_S = [tl.constexpr(tuple(piece)) for piece in codec.SIGNED_MAP.pieces]
+_U = [tl.constexpr(tuple(piece)) for piece in codec.UNSIGNED_MAP.pieces]
+_S0, _S1, _S2, _S3 = _S
+_U0, _U1, _U2 = _U
 
 
 @triton.jit
-def _encode_signed(x, absmax):
+def _code_scale(absmax):
+    return tl.where(absmax > _MIN_CODE_SCALE, absmax, _MIN_CODE_SCALE)
+
+
+@triton.jit
+def _encode_factor(absmax):
+    return tl.div_rn(tl.full(absmax.shape, _CODE_TOP, tl.float32), _code_scale(absmax))
+
+
+@triton.jit
+def _decode_factor(absmax):
+    return tl.div_rn(_code_scale(absmax), tl.full(absmax.shape, _CODE_TOP, tl.float32))
+
+
+@triton.jit
+def _pick(key, index: tl.constexpr, field: tl.constexpr, shift, value, piece: tl.constexpr):
+    inside = key >= piece[index]
+    return tl.where(inside, piece[2], shift), tl.where(inside, piece[field], value)
+
+
+@triton.jit
+def _round_piece(u, shift, offset):
+    # wraps mod 2^32 as in C++ (CodePiece::round_offset): not in the piece the result is not taken
+    total = tl.add(tl.add(u, offset, sanitize_overflow=False), (u >> shift) & 1, sanitize_overflow=False)
+    return total >> shift
+
+
+@triton.jit
+def _subnormal_code(q, scale):
+    return (q * scale + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+
+
+@triton.jit
+def _signed_magnitude_code(q):
+    """``magnitude_code<SignedMap>``."""
+    u = q.to(tl.uint32, bitcast=True)
+    shift = tl.full(u.shape, _S0[2], tl.uint32)
+    offset = tl.full(u.shape, _S0[4], tl.uint32)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S1)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S2)
+    shift, offset = _pick(u, 0, 4, shift, offset, _S3)
+    code = tl.where(u >= _S0[0], _round_piece(u, shift, offset), _subnormal_code(q, 131072.0))  # 2^17
+    return tl.minimum(code, 125)
+
+
+@triton.jit
+def _unsigned_magnitude_code(q):
+    """``magnitude_code<UnsignedMap>``."""
+    u = q.to(tl.uint32, bitcast=True)
+    shift = tl.full(u.shape, _U0[2], tl.uint32)
+    offset = tl.full(u.shape, _U0[4], tl.uint32)
+    shift, offset = _pick(u, 0, 4, shift, offset, _U1)
+    shift, offset = _pick(u, 0, 4, shift, offset, _U2)
+    code = tl.where(u >= _U0[0], _round_piece(u, shift, offset), _subnormal_code(q, 4294967296.0))  # 2^32
+    return tl.minimum(code, 253)
+
+
+@triton.jit
+def _signed_magnitude_value(c):
+    """``magnitude_value<SignedMap>``."""
+    shift = tl.full(c.shape, _S0[2], tl.uint32)
+    bias = tl.full(c.shape, _S0[3], tl.uint32)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S1)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S2)
+    shift, bias = _pick(c, 1, 3, shift, bias, _S3)
+    normal = ((c + bias) << shift).to(tl.float32, bitcast=True)
+    return tl.where(c >= _S0[1], normal, c.to(tl.float32) * 7.62939453125e-06)  # 2^-17
+
+
+@triton.jit
+def _unsigned_magnitude_value(c):
+    """``magnitude_value<UnsignedMap>``."""
+    shift = tl.full(c.shape, _U0[2], tl.uint32)
+    bias = tl.full(c.shape, _U0[3], tl.uint32)
+    shift, bias = _pick(c, 1, 3, shift, bias, _U1)
+    shift, bias = _pick(c, 1, 3, shift, bias, _U2)
+    normal = ((c + bias) << shift).to(tl.float32, bitcast=True)
+    return tl.where(c >= _U0[1], normal, c.to(tl.float32) * 2.3283064365386962890625e-10)  # 2^-32
+
+
+@triton.jit
+def _encode_signed(x, factor):
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude_bits = bits & 0x7FFFFFFF
-    q = tl.div_rn(magnitude_bits.to(tl.float32, bitcast=True), tl.where(absmax > 0.0, absmax, 1.0))
-    code = _magnitude_code(q, 113 << 23, 112 << 3, 131072.0)  # 2^17
+    code = _signed_magnitude_code(magnitude_bits.to(tl.float32, bitcast=True) * factor)  # inf, NaN: replaced below
     code = tl.where(magnitude_bits == 0x7F800000, _SIGNED_INF, code)
     code = tl.where(magnitude_bits > 0x7F800000, _SIGNED_NAN, code)
     return (code | sign).to(tl.uint8)
 
 
 @triton.jit
-def _decode_signed(code, absmax):
+def _decode_signed(code, factor):
     code = code.to(tl.uint32)
     magnitude = code & 0x7F
-    field = magnitude >> 3
-    mantissa = magnitude & 7
-    normal = (((field + 112) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 7.62939453125e-06  # 2^-17
-    value = (tl.where(field != 0, normal, subnormal) * absmax).to(tl.uint32, bitcast=True)
+    value = (_signed_magnitude_value(magnitude) * factor).to(tl.uint32, bitcast=True)
     value = tl.where(magnitude == _SIGNED_INF, 0x7F800000, value)
     value = tl.where(magnitude == _SIGNED_NAN, 0x7FC00000, value)
     return (value | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _encode_unsigned(x, absmax):
+def _encode_unsigned(x, factor):
     bits = x.to(tl.uint32, bitcast=True)
-    q = tl.div_rn((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), tl.where(absmax > 0.0, absmax, 1.0))
-    code = _magnitude_code(q, 97 << 23, 96 << 3, 8589934592.0)  # 2^33
-    code = tl.where((code == 0) & ((bits & 0x7FFFFFFF) != 0), 1, code)  # positive stays positive
-    code = tl.where((bits & 0x7FFFFFFF) == 0x7F800000, _UNSIGNED_INF, code)
-    code = tl.where(((bits & 0x7FFFFFFF) > 0x7F800000) | (bits > 0x80000000), _UNSIGNED_NAN, code)
+    magnitude_bits = bits & 0x7FFFFFFF
+    code = _unsigned_magnitude_code(magnitude_bits.to(tl.float32, bitcast=True) * factor)
+    code = tl.where((code == 0) & (magnitude_bits != 0), 1, code)  # positive stays positive
+    code = tl.where(magnitude_bits == 0x7F800000, _UNSIGNED_INF, code)
+    code = tl.where((magnitude_bits > 0x7F800000) | (bits > 0x80000000), _UNSIGNED_NAN, code)
     return code.to(tl.uint8)
 
 
 @triton.jit
-def _decode_unsigned(code, absmax):
+def _decode_unsigned(code, factor):
     c = code.to(tl.uint32)
-    field = c >> 3
-    mantissa = c & 7
-    normal = (((field + 96) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 1.16415321826934814453125e-10  # 2^-33
-    value = (tl.where(field != 0, normal, subnormal) * absmax).to(tl.uint32, bitcast=True)
+    value = (_unsigned_magnitude_value(c) * factor).to(tl.uint32, bitcast=True)
+    value = tl.where((c != 0) & (value == 0), 1, value)  # a positive code never decodes to 0
     value = tl.where(c == _UNSIGNED_INF, 0x7F800000, value)
     value = tl.where(c == _UNSIGNED_NAN, 0x7FC00000, value)
     return value.to(tl.float32, bitcast=True)
@@ -215,8 +292,8 @@ def _adam_compressed_kernel(
         block_mask = tl.max(mask.to(tl.int32), axis=1) != 0  # none with found_inf set
         m_scale = tl.load(exp_avg_absmax_ptr + blocks, mask=block_mask)[:, None]
         v_scale = tl.load(exp_avg_sq_absmax_ptr + blocks, mask=block_mask)[:, None]
-        m = _decode_signed(tl.load(exp_avg_ptr + offsets, mask=mask), m_scale)
-        v = _decode_unsigned(tl.load(exp_avg_sq_ptr + offsets, mask=mask), v_scale)
+        m = _decode_signed(tl.load(exp_avg_ptr + offsets, mask=mask), _decode_factor(m_scale))
+        v = _decode_unsigned(tl.load(exp_avg_sq_ptr + offsets, mask=mask), _decode_factor(v_scale))
     else:
         m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
@@ -228,8 +305,8 @@ def _adam_compressed_kernel(
         v_max = tl.max(tl.where(mask, _finite_magnitude(v), 0.0), axis=1)
         tl.store(exp_avg_absmax_ptr + blocks, m_max, mask=block_mask)
         tl.store(exp_avg_sq_absmax_ptr + blocks, v_max, mask=block_mask)
-        tl.store(exp_avg_ptr + offsets, _encode_signed(m, m_max[:, None]), mask=mask)
-        tl.store(exp_avg_sq_ptr + offsets, _encode_unsigned(v, v_max[:, None]), mask=mask)
+        tl.store(exp_avg_ptr + offsets, _encode_signed(m, _encode_factor(m_max)[:, None]), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, _encode_unsigned(v, _encode_factor(v_max)[:, None]), mask=mask)
     else:
         # (The interpreter passes a key below 2^31 as int32: the cast makes it uint32 there too.)
         step_key = rounding_step_key(tensor_key.to(tl.uint32), step.to(tl.uint32))

@@ -168,6 +168,42 @@ class Adam(FusedOptimizer):
         return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
 
     # ---- compressed states in checkpoints ------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        super()._register_hooks()
+        self.register_state_dict_post_hook(Adam._mark_codec_version)
+
+    @staticmethod
+    def _mark_codec_version(optimizer, state_dict: dict) -> dict:
+        """Each saved group says which 8-bit map wrote its codes (one without it: version 1's). In
+        the groups, not beside them: torch.distributed.checkpoint keeps only "state" and
+        "param_groups"."""
+        for group in state_dict["param_groups"]:
+            group[codec.CODEC_VERSION_KEY] = codec.CODEC_VERSION
+        return state_dict
+
+    def _upgraded_states(self, state_dict: dict, states: dict) -> dict:
+        """8-bit codes of an older map are decoded with it, to fp32 moments (laid out as the codes),
+        which `_loaded_states` then encodes with this version's."""
+        versions = {pid: group.get(codec.CODEC_VERSION_KEY, 1) for group in state_dict["param_groups"]
+                    for pid in group["params"]}
+        if all(v == codec.CODEC_VERSION for v in versions.values()):
+            return states
+        upgraded = {}
+        for pid, state in states.items():
+            state, version = dict(state), versions.get(pid, 1)
+            for name in MOMENTS if version != codec.CODEC_VERSION else ():
+                value, absmax = state.get(name), state.get(f"{name}_absmax")
+                if isinstance(value, Tensor) and value.dtype == torch.uint8 and isinstance(absmax, Tensor):
+                    codes = local_tensor(value)
+                    codes = codes if is_dense(codes) else codes.contiguous()
+                    decoded = torch.empty_like(codes, dtype=torch.float32)
+                    flat_view(decoded).copy_(codec.dequantize(flat_view(codes), local_tensor(absmax),
+                                                              signed=name == "exp_avg", version=version))
+                    state[name] = decoded
+                    del state[f"{name}_absmax"]
+            upgraded[pid] = state
+        return upgraded
+
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
         """A loaded state in `group`'s precision: fp32 moments (a torch.optim checkpoint) are
         compressed (bf16 rounded to nearest; 8-bit quantized), compressed ones are kept, or decoded

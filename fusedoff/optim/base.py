@@ -124,6 +124,11 @@ class FusedOptimizer(Optimizer):
     def _resolve_backend(group: dict, device: torch.device) -> str:
         return resolve_backend(group["backend"], device)
 
+    def _upgraded_states(self, state_dict: dict, states: dict) -> dict:
+        """The loaded states of `state_dict` ({param id: {name: tensor}}) in this version's encoding,
+        where an older one wrote them (default: as they are)."""
+        return states
+
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
         """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps:
         here the master weight, whole or split as the group keeps it (a split one read beside the

@@ -49,9 +49,11 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
                                  "low bits of a split master (master_low_bits)")
             if not scales:
                 state_for_param(value, param, key)  # raises if sharded unlike the parameter
-    optimizer._states_set_aside = (saved_ids, tensors)
     others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
-    return {**state_dict, "state": others}
+    optimizer._states_set_aside = (saved_ids, optimizer._upgraded_states(state_dict, tensors))
+    # The codec version a group was saved with describes its states, not the group: not loaded.
+    groups = [{k: v for k, v in g.items() if k != codec.CODEC_VERSION_KEY} for g in state_dict["param_groups"]]
+    return {**state_dict, "state": others, "param_groups": groups}
 
 
 def place_states(optimizer) -> None:
