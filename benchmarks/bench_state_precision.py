@@ -60,12 +60,23 @@ class Contender:
     state_precision: str
     build: Callable[[torch.nn.Parameter], object]  # the optimizer over one parameter
     peer: bool = False  # optional package: skipped with a reason when it cannot run
+    # Master weights of bf16 parameters in this precision ("fp32", "split", "split8"): the row steps a
+    # bf16 parameter and gradient instead, and is compared with the fp32-master row (MASTER_BASELINE).
+    master_precision: str | None = None
 
 
-def _fusedoff(precision: str) -> Contender:
-    return Contender(f"fusedoff_{precision}", f"fusedoff.AdamW(state_precision='{precision}')", precision,
+def _fusedoff(precision: str, master: str | None = None) -> Contender:
+    name = f"fusedoff_{precision}" + (f"_bf16p_{master}_master" if master else "")
+    label = f"fusedoff.AdamW(state_precision='{precision}'" + (f", master_precision='{master}') on bf16 params"
+                                                                if master else ")")
+    options = dict(master_precision=master) if master else {}
+    return Contender(name, label, precision,
                      lambda p: fusedoff.AdamW([p], backend="cpu", offload="none", state_precision=precision,
-                                              **ADAM_HYPER))
+                                              **options, **ADAM_HYPER), master_precision=master)
+
+
+MASTERS = ("fp32", "split", "split8")  # the master rows: fp32 states with each master precision
+MASTER_BASELINE = "fusedoff_fp32_bf16p_fp32_master"
 
 
 def _torchao(p: torch.nn.Parameter):
@@ -86,6 +97,7 @@ def _bitsandbytes(p: torch.nn.Parameter):
 
 def contenders(with_peers: bool = True) -> list[Contender]:
     out = [_fusedoff(p) for p in PRECISIONS]
+    out += [_fusedoff("fp32", m) for m in MASTERS] + [_fusedoff("8bit", "split8")]
     out.append(Contender("torch_fused", "torch.optim.AdamW(fused=True)", "fp32",
                          lambda p: torch.optim.AdamW([p], fused=True, **ADAM_HYPER)))
     if with_peers:
@@ -111,9 +123,13 @@ def state_bytes(optimizer, param: torch.Tensor) -> int:
                if k != "step" and isinstance(v, torch.Tensor))
 
 
-def kernel_bytes_per_param(state_bytes_per_param: float) -> float:
-    """Bytes one step must move per parameter: param and grad, and every state read and written once."""
-    return PARAM_GRAD_BYTES + 2 * state_bytes_per_param
+def kernel_bytes_per_param(state_bytes_per_param: float, master_precision: str | None = None) -> float:
+    """Bytes one step must move per parameter: param and grad, and every state read and written once.
+    With master weights (bf16 params, the master among the states): the param written and the grad
+    read (2 + 2), and the param read too where it is the upper half of a split master."""
+    if master_precision is None:
+        return PARAM_GRAD_BYTES + 2 * state_bytes_per_param
+    return 2 + 2 + (2 if master_precision != "fp32" else 0) + 2 * state_bytes_per_param
 
 
 # ---- the accuracy a precision costs --------------------------------------------------------------------
@@ -133,6 +149,9 @@ def update_errors(built: dict[str, Contender], numel: int = QUALITY_NUMEL,
     expected = reference.detach() - start.double()
     errors = {}
     for name, contender in built.items():
+        if contender.master_precision is not None:
+            errors[name] = _master_update_error(contender, start, grads)
+            continue
         param = torch.nn.Parameter(start.clone())
         optimizer = contender.build(param)
         for g in grads:
@@ -142,6 +161,27 @@ def update_errors(built: dict[str, Contender], numel: int = QUALITY_NUMEL,
     return errors
 
 
+def _master_update_error(contender: Contender, start: torch.Tensor, grads: list[torch.Tensor]) -> float:
+    """The same for a master row: bf16 parameters from the bf16 rounding of `start`, bf16 gradients; the
+    master's total update against float64 torch AdamW's from the same start and gradients."""
+    from fusedoff.kernels import master as masters
+
+    start = start.to(torch.bfloat16)
+    reference = torch.nn.Parameter(start.double())
+    optimizer = torch.optim.AdamW([reference], foreach=False, **ADAM_HYPER)
+    param = torch.nn.Parameter(start.clone())
+    fused = contender.build(param)
+    for g in grads:
+        reference.grad = g.to(torch.bfloat16).double()
+        optimizer.step()
+        param.grad = g.to(torch.bfloat16)
+        fused.step()
+    state = fused.state[param]
+    master = state["master_param"] if "master_param" in state else masters.join(param.detach(), state["master_low_bits"])
+    expected = reference.detach() - start.double()
+    return float((master.double() - start.double() - expected).norm() / expected.norm())
+
+
 # ---- the run -------------------------------------------------------------------------------------------
 
 
@@ -149,6 +189,11 @@ def measure(args) -> tuple[list[dict], timing.LoadMonitor]:
     generator = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(args.numel, generator=generator) * 0.1)
     param.grad = torch.randn(args.numel, generator=generator) * 1e-2
+    low = torch.nn.Parameter(param.detach().to(torch.bfloat16))  # the master rows' bf16 parameter
+    low.grad = param.grad.to(torch.bfloat16)
+
+    def param_of(c: Contender) -> torch.nn.Parameter:
+        return param if c.master_precision is None else low
 
     running: dict[str, Contender] = {}
     optimizers: dict[str, object] = {}
@@ -156,7 +201,7 @@ def measure(args) -> tuple[list[dict], timing.LoadMonitor]:
     candidates = contenders(not args.no_peers)
     for c in candidates:
         try:
-            optimizers[c.name] = c.build(param)
+            optimizers[c.name] = c.build(param_of(c))
             optimizers[c.name].step()  # the first step: states created, kernels compiled (torchao)
             running[c.name] = c
         except Exception as exc:  # a missing package, or a peer that cannot run on the CPU
@@ -178,18 +223,19 @@ def measure(args) -> tuple[list[dict], timing.LoadMonitor]:
     others = None if load.others_share is None else round(load.others_share, 3)
     common = {"numel": args.numel, "threads": args.threads, "repeats": args.repeats}
 
-    baseline = samples[BASELINE]
-    baseline_median = timing.summarize(baseline).median
     rows = []
     for c in candidates:
-        row = {"contender": c.name, "what": c.label, "state_precision": c.state_precision, **common}
+        row = {"contender": c.name, "what": c.label, "state_precision": c.state_precision,
+               "master_precision": c.master_precision or "", **common}
         if c.name in skipped:
             rows.append({**row, "status": f"skipped: {skipped[c.name]}"})
             continue
         s = timing.summarize(samples[c.name])
+        baseline = samples[BASELINE if c.master_precision is None else MASTER_BASELINE]
+        baseline_median = timing.summarize(baseline).median
         ratio = timing.paired_ratio(samples[c.name], baseline)
-        held = state_bytes(optimizers[c.name], param) / args.numel
-        moved = kernel_bytes_per_param(held)
+        held = state_bytes(optimizers[c.name], param_of(c)) / args.numel
+        moved = kernel_bytes_per_param(held, c.master_precision)
         bound = moved * args.numel / bandwidth[best]
         stats = optimizers[c.name].memory_stats() if c.name.startswith("fusedoff") else None
         rows.append({
@@ -216,7 +262,7 @@ def measure(args) -> tuple[list[dict], timing.LoadMonitor]:
 
 
 def _ratio(r: dict) -> str:
-    if r["contender"] == BASELINE:
+    if r["contender"] in (BASELINE, MASTER_BASELINE):
         return "1 (itself)"
     return f"{r['ratio_to_fusedoff_fp32']:.2f} [{r['ratio_paired_q10']:.2f}-{r['ratio_paired_q90']:.2f}]"
 
@@ -224,9 +270,10 @@ def _ratio(r: dict) -> str:
 TABLE_COLUMNS = [
     ("contender", lambda r: r["contender"]),
     ("states", lambda r: r.get("state_precision")),
+    ("params, master", lambda r: f"bf16, {r['master_precision']}" if r.get("master_precision") else "fp32, none"),
     ("median ms", lambda r: f"{r['ms_median']:.2f}"),
     ("p10-p90 ms", lambda r: f"{r['ms_q10']:.2f}-{r['ms_q90']:.2f}"),
-    ("vs fusedoff fp32 [p10-p90]", _ratio),
+    ("vs its baseline [p10-p90]", _ratio),
     ("state B/param", lambda r: f"{r['state_bytes_per_param']:.4g}"),
     ("kernel B/param", lambda r: f"{r['bytes_per_param']:.4g}"),
     ("GB/s", lambda r: f"{r['achieved_gb_per_s']:.1f}"),
@@ -244,14 +291,15 @@ def format_table(rows: list[dict]) -> str:
 def format_verdicts(rows: list[dict]) -> str:
     """Each compressed contender against the fp32-state step: measured, and what the bytes alone would give."""
     by_name = {r["contender"]: r for r in rows}
-    base = by_name[BASELINE]
     lines = []
     for r in rows:
-        if r.get("state_precision") in (None, "fp32") or r["status"] != "ok":
+        compressed = r.get("master_precision") not in ("", None, "fp32") or r.get("state_precision") not in (None, "fp32")
+        if not compressed or r["status"] != "ok":
             continue
+        base = by_name[MASTER_BASELINE if r.get("master_precision") else BASELINE]
         verdict = "beats" if r["ratio_to_fusedoff_fp32"] < 1 else "DOES NOT BEAT"
         lines.append(f"- {r['contender']}: {r['ms_median']:.2f} vs {base['ms_median']:.2f} ms = "
-                     f"{r['ratio_to_fusedoff_fp32']:.2f}x the fp32-state step ({verdict} it); its bytes alone "
+                     f"{r['ratio_to_fusedoff_fp32']:.2f}x {base['contender']} ({verdict} it); its bytes alone "
                      f"({r['bytes_per_param']:.4g} vs {base['bytes_per_param']:.4g} B/param) would give "
                      f"{r['bytes_per_param'] / base['bytes_per_param']:.2f}x; {100 * r['fraction_of_bound']:.0f}% "
                      f"of its bound")
@@ -323,7 +371,12 @@ def results_markdown(rows: list[dict], meta: dict, args, load_note: str) -> str:
 
 {format_table(rows)}
 
-"vs fusedoff fp32" = median / median of the fp32-state step, and the p10-p90 of the per-repeat paired ratios.
+"vs its baseline" = median / median of the fp32-state step (fusedoff_fp32; for the rows on bf16 params with
+master weights, fusedoff_fp32_bf16p_fp32_master: fp32 states and masters), and the p10-p90 of the per-repeat
+paired ratios. The rows on bf16 params step a bf16 copy of the parameter and gradient; their state B/param
+include the master (fp32 4, split 2, split8 1) and their kernel B/param are 2 + 2 (param written, grad read)
++ 2 more where a split master reads its parameter + 2 x state B/param; their update rel. err is the master's
+update from the bf16 start against float64 torch.optim.AdamW from the same start.
 State B/param: the bytes of the states held (fusedoff's memory_stats() counts the same:
 {counted}).
 Kernel B/param = 12 (param read + write, grad read) + 2 x state B/param: what a step must move; the peers
@@ -331,7 +384,7 @@ move more (their fp32 temporaries are not counted). Bound = kernel bytes / {bw['
 in-place pass ({bw['bandwidth_kernel']}) timed in the same loop. Update rel. err: ||dw - dw_ref|| / ||dw_ref||
 after {QUALITY_STEPS} steps of {QUALITY_NUMEL} params with fresh random gradients, against float64 torch.optim.AdamW.
 
-The target: a compressed step beats the fp32-state step.
+The target: a compressed step (states or master) beats its baseline.
 {format_verdicts(rows)}
 
 Files: `{RESULTS_KEY}.csv` (one row per contender and bandwidth pass, hardware and version columns),

@@ -12,11 +12,17 @@ elements (`global_offset`), so bf16's random bits are keyed by the parameter's e
 8-bit blocks are counted from the parameter's first element: a shard keeps one scale per block of
 the parameter it has elements in (`blocks_touched`), that block's part in the shard. When every
 shard starts on a block boundary (and for bf16 always) a sharded step is the one-process step bit
-for bit. A block that straddles two shards is kept as two blocks, each rank's part with its own
+for bit. A shard whose elements are no run of the parameter's (``Shard(1)``, tensor parallelism's
+strided shards: `global_offset` None) has blocks and random indices of its own, counted from its
+own first element in its own memory order, and its rank's coordinate in the random stream's key
+(`shard_key`): every element within the one-process bound, as for a straddled block, and no longer
+bit for bit. A block that straddles two shards is kept as two blocks, each rank's part with its own
 scale (the largest magnitude of that part, never more than the whole block's): every element's
-error stays within the one-process bound of [note: compressed states] (2^-4 of its value, or
-the smallest steps under its block's scale), and is smaller for small elements whose part holds
-no larger one. No collective
+error stays within the map's one-process worst case of [note: compressed states] (half a step of
+its coarsest binade, 2^-3 of the value, or the smallest step under its whole block's scale). Not
+always within the tighter bound at the element's own place in the map: the tapered map's steps
+double at each binade, and a smaller scale can lift an element into a binade of as many bits with
+twice the step. No collective
 runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
 offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
 block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
@@ -88,6 +94,18 @@ def global_offset(t: Tensor) -> int | None:
         return None
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return offset[0] * math.prod(shape[1:]) if shape else 0
+
+
+def shard_key(t: Tensor) -> int:
+    """What tells apart the random streams of the shards of `t` whose elements are no run of the
+    parameter's (`global_offset` None: their random indices are their own, from 0): a hash of the
+    rank's coordinate on `t`'s mesh; 0 where the indices are the parameter's (a plain tensor, a run)."""
+    if global_offset(t) is not None:
+        return 0
+    key = 0
+    for coordinate in t.device_mesh.get_coordinate() or ():
+        key = (key * 0x9E3779B1 + int(coordinate) + 1) & 0xFFFFFFFF
+    return key
 
 
 def block_lead(t: Tensor, block: int) -> int:

@@ -17,8 +17,17 @@ import timing  # noqa: E402
 from peers import PeerUnavailable  # noqa: E402
 
 NUMEL = 1 << 18  # whole 256-element blocks
-STATE_BYTES = {"fusedoff_fp32": 8.0, "fusedoff_bf16": 4.0, "fusedoff_8bit": 2 + 8 / 256, "torch_fused": 8.0}
-KERNEL_BYTES = {"fusedoff_fp32": 28.0, "fusedoff_bf16": 20.0, "fusedoff_8bit": 16.0625, "torch_fused": 28.0}
+STATE_BYTES = {"fusedoff_fp32": 8.0, "fusedoff_bf16": 4.0, "fusedoff_8bit": 2 + 8 / 256,
+               # bf16 params with master weights: the master among the states (fp32 4, split 2, split8 1)
+               "fusedoff_fp32_bf16p_fp32_master": 12.0, "fusedoff_fp32_bf16p_split_master": 10.0,
+               "fusedoff_fp32_bf16p_split8_master": 9.0, "fusedoff_8bit_bf16p_split8_master": 3 + 8 / 256,
+               "torch_fused": 8.0}
+# param read + write and grad read (12, fp32) or param written and grad read (2 + 2, bf16) and the
+# param read beside a split master (2); every state read and written once
+KERNEL_BYTES = {"fusedoff_fp32": 28.0, "fusedoff_bf16": 20.0, "fusedoff_8bit": 16.0625,
+                "fusedoff_fp32_bf16p_fp32_master": 28.0, "fusedoff_fp32_bf16p_split_master": 26.0,
+                "fusedoff_fp32_bf16p_split8_master": 24.0, "fusedoff_8bit_bf16p_split8_master": 12.0625,
+                "torch_fused": 28.0}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +51,8 @@ def test_csv_rows_and_columns(run):
                    "cpu_model", "torch", "fusedoff", "torchao", "bitsandbytes", "date_utc", "load"):
         assert column in rows["fusedoff_fp32"], column
     assert all(r["numel"] == NUMEL and r["status"] == "ok" and r["torch_threads"] == 1 for r in rows.values())
-    assert [rows[n]["state_precision"] for n in STATE_BYTES] == ["fp32", "bf16", "8bit", "fp32"]
+    assert [rows[n]["state_precision"] for n in STATE_BYTES] == ["fp32", "bf16", "8bit", "fp32", "fp32", "fp32",
+                                                                   "8bit", "fp32"]
     try:  # the plot needs matplotlib (the bench extra): without it the run says so and writes the rest
         import matplotlib  # noqa: F401
     except ImportError:
@@ -59,7 +69,7 @@ def test_bytes_match_the_hand_count(run):
     for name, held in STATE_BYTES.items():
         assert rows[name]["state_bytes_per_param"] == pytest.approx(held, abs=1e-6), name
         assert rows[name]["bytes_per_param"] == pytest.approx(KERNEL_BYTES[name], abs=1e-6), name
-    for name in ("fusedoff_fp32", "fusedoff_bf16", "fusedoff_8bit"):  # memory_stats counts the same bytes
+    for name in (n for n in STATE_BYTES if n.startswith("fusedoff")):  # memory_stats counts the same bytes
         assert rows[name]["memory_stats_bytes_per_param"] == pytest.approx(STATE_BYTES[name], abs=1e-6), name
     assert rows["torch_fused"]["memory_stats_bytes_per_param"] is None
 
@@ -68,10 +78,11 @@ def test_figures_agree(run):
     _, rows, _ = run
     passes = [rows["inplace_scale"], rows["inplace_axpy"]]
     best = max(passes, key=lambda r: r["achieved_gb_per_s"])
-    base = rows["fusedoff_fp32"]["ms_median"]
     assert rows["fusedoff_fp32"]["ratio_to_fusedoff_fp32"] == 1.0
+    assert rows[bench.MASTER_BASELINE]["ratio_to_fusedoff_fp32"] == 1.0
     for name in STATE_BYTES:
         r = rows[name]
+        base = rows[bench.MASTER_BASELINE if r["master_precision"] else "fusedoff_fp32"]["ms_median"]
         assert r["ms_min"] <= r["ms_q10"] <= r["ms_median"] <= r["ms_q90"] <= r["ms_max"]
         assert r["ratio_paired_q10"] <= r["ratio_paired_q90"]
         # the CSV keeps ms to 3 decimals and the ratio to 4: compare within those roundings
@@ -95,6 +106,10 @@ def test_update_errors_order_the_precisions(run):
     assert err["fusedoff_fp32"] < 1e-5 and err["torch_fused"] < 1e-5
     assert 1e-4 < err["fusedoff_bf16"] < 1e-2
     assert err["fusedoff_bf16"] < err["fusedoff_8bit"] < 0.1
+    # Masters of bf16 params: split is fp32's bit for bit, split8 costs its rounding (relative 2^-15 a step)
+    assert err["fusedoff_fp32_bf16p_fp32_master"] < 1e-5
+    assert err["fusedoff_fp32_bf16p_split_master"] == err["fusedoff_fp32_bf16p_fp32_master"]
+    assert err["fusedoff_fp32_bf16p_fp32_master"] < err["fusedoff_fp32_bf16p_split8_master"] < 1e-2
 
 
 def test_an_unavailable_peer_is_a_skipped_row_with_its_reason(monkeypatch, capsys):

@@ -508,7 +508,8 @@ def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
             codes, absmax = want[pid, name]
             assert torch.equal(resumed.state[p][name].reshape(-1), codes)
             assert torch.equal(resumed.state[p][f"{name}_absmax"], absmax)
-    assert all(codec.CODEC_VERSION_KEY not in group for group in resumed.param_groups)  # not an option
+    # The groups say the codes' version now: converted, they are this one's.
+    assert all(group[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for group in resumed.param_groups)
     train(resumed, params, 1)  # and it steps on
     assert all(g[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for g in resumed.state_dict()["param_groups"])
     future = {**old, "param_groups": [{**g, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION + 1} for g in old["param_groups"]]}

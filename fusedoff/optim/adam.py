@@ -14,7 +14,7 @@ from fusedoff.kernels import codec
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
 from fusedoff.optim.base import FusedOptimizer, master_states
 from fusedoff.optim.validation import check_torch_flags
-from fusedoff.sharding import (block_lead, blocks_touched, global_offset, is_dtensor, like_param, local_tensor,
+from fusedoff.sharding import (block_lead, blocks_touched, is_dtensor, like_param, local_tensor, shard_key,
                                zero_redundancy_owner)
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
@@ -63,7 +63,10 @@ class Adam(FusedOptimizer):
         check_torch_flags(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
         _check_precision(state_precision, seed, amsgrad)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
+                        decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed,
+                        # which 8-bit map the group's codes are in: in every group, so that whatever copies
+                        # the groups (a state dict, DCP, ZeRO-1's consolidation) carries it with the codes
+                        **{codec.CODEC_VERSION_KEY: codec.CODEC_VERSION})
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
                          master_precision=master_precision)
@@ -120,13 +123,6 @@ class Adam(FusedOptimizer):
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
         super()._check_group_param(group, param)
-        # A shard's blocks and random indices are its parameter's (see [note: compressed states of
-        # shards]): its elements must be one run of the parameter's.
-        if group["state_precision"] != "fp32" and global_offset(param) is None:
-            raise ValueError(f"state_precision={group['state_precision']!r} needs each shard of a sharded (DTensor) "
-                             "parameter to hold a contiguous run of its elements (a contiguous parameter sharded "
-                             f"on its first dimension, as fully_shard does); this one is sharded as {param.placements}"
-                             f" with strides {param.stride()}: use state_precision='fp32' for it")
 
     def _state_names(self, group: dict) -> tuple[str, ...]:
         return tuple(spec.name for spec in self._state_specs(group))
@@ -152,7 +148,9 @@ class Adam(FusedOptimizer):
             # The random stream's key of each tensor: the optimizer's seed and the parameter's index
             # in the state dict, so it is the same however the tensor is placed or cut into chunks.
             positions = self._key_positions()
-            keys = [codec.tensor_key(group["seed"], positions[id(p)]) for p in params]
+            # A shard that is no run of its parameter's elements draws from a stream of its own
+            # (see [note: compressed states of shards]).
+            keys = [codec.tensor_key(group["seed"], positions[id(p)]) ^ shard_key(p) for p in params]
 
             block_wise = {spec.name for spec in self._state_specs(group) if spec.block != 1}  # 8-bit scales
 
@@ -168,19 +166,6 @@ class Adam(FusedOptimizer):
         return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
 
     # ---- compressed states in checkpoints ------------------------------------------------------------
-    def _register_hooks(self) -> None:
-        super()._register_hooks()
-        self.register_state_dict_post_hook(Adam._mark_codec_version)
-
-    @staticmethod
-    def _mark_codec_version(optimizer, state_dict: dict) -> dict:
-        """Each saved group says which 8-bit map wrote its codes (one without it: version 1's). In
-        the groups, not beside them: torch.distributed.checkpoint keeps only "state" and
-        "param_groups"."""
-        for group in state_dict["param_groups"]:
-            group[codec.CODEC_VERSION_KEY] = codec.CODEC_VERSION
-        return state_dict
-
     def _upgraded_states(self, state_dict: dict, states: dict) -> dict:
         """8-bit codes of an older map are decoded with it, to fp32 moments (laid out as the codes),
         which `_loaded_states` then encodes with this version's."""
