@@ -177,7 +177,8 @@ def _master_update_error(contender: Contender, start: torch.Tensor, grads: list[
         param.grad = g.to(torch.bfloat16)
         fused.step()
     state = fused.state[param]
-    master = state["master_param"] if "master_param" in state else masters.join(param.detach(), state["master_low_bits"])
+    low = state.get("master_low_bits", state.get("master_low_byte"))
+    master = state["master_param"] if "master_param" in state else masters.join(param.detach(), low)
     expected = reference.detach() - start.double()
     return float((master.double() - start.double() - expected).norm() / expected.norm())
 

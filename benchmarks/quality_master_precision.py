@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timing  # noqa: E402
+import training_quality as quality  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import demo  # noqa: E402
@@ -88,25 +89,6 @@ def optimizer_bytes(opt, numel: int) -> tuple[float, float]:
     return master / numel, other / numel
 
 
-def train(name: str, cfg: demo.Config, corpus: torch.Tensor, vocab: int):
-    torch.manual_seed(cfg.seed)
-    model = demo.TinyLM(vocab, cfg.model_size, cfg.layers, 4, cfg.context).to(cfg.device, torch.bfloat16)
-    opt = OPTIMIZERS[name][0](list(model.parameters()))
-    batches = torch.Generator().manual_seed(cfg.seed)
-    losses = []
-    for _ in range(cfg.steps):
-        loss = demo.forward(model, demo.next_batch(corpus, cfg, batches), vocab)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, optimizer_bytes(opt, sum(p.numel() for p in model.parameters()))
-
-
-def final_loss(losses: list[float], window: int) -> float:
-    return sum(losses[-window:]) / len(losses[-window:])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -116,19 +98,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=timing.RESULTS_DIR, help="where the CSV, PNG and RESULTS.md go")
     args = parser.parse_args(argv)
 
-    text = demo.make_corpus(200_000)
-    chars = sorted(set(text))
-    corpus = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    data, vocab = quality.corpus()
     cfg = demo.Config(device=torch.device(args.device), dtype=torch.bfloat16, optimizer="adamw", offload="none",
                       backend="auto", chunk_size=0, steps=args.steps, lr=LR, seed=args.seed,
                       **demo.PRESETS[args.device])
     curves, rows = {}, []
     for name, (_, lossy) in OPTIMIZERS.items():
-        losses, (master_bytes, state_bytes) = train(name, cfg, corpus, len(chars))
+        losses, opt, model = quality.train(OPTIMIZERS[name][0], cfg, data, vocab, torch.bfloat16)
+        master_bytes, state_bytes = optimizer_bytes(opt, sum(p.numel() for p in model.parameters()))
         curves[name] = losses
         reference = curves["torch_upcast"]
         windows = demo.windowed_agreement(reference, losses, args.window)
-        final, final_ref = final_loss(losses, args.window), final_loss(reference, args.window)
+        final, final_ref = quality.final_loss(losses, args.window), quality.final_loss(reference, args.window)
         ok = windows <= TOLERANCE[0] and abs(final - final_ref) <= TOLERANCE[1] * final_ref
         row = {"optimizer": name, "master_bytes_per_param": round(master_bytes, 3),
                "state_bytes_per_param": round(state_bytes, 3), "window_max_rel_diff": round(windows, 5),
@@ -155,33 +136,13 @@ def main(argv: list[str] | None = None) -> None:
         ("target 5% / 4%", lambda r: {True: "within", False: "OUTSIDE", "": ""}[r["within_target"]]),
     ])
     print(table)
-    plot = args.out / "quality_master_precision.png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name, losses in curves.items():
-            smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
-                      for i in range(len(losses))]
-            ax.plot(smooth, label=name, linewidth=1.2, linestyle="--" if name == "fusedoff_split" else "-")
-        ax.set(xlabel="step", ylabel="training loss (10-step mean)",
-               title="demo model in bf16, one seed: master weight precision")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(plot, dpi=120)
-        plt.close(fig)
-    except ImportError:
-        plot = None
-    section = (f"## Training quality by master precision (`quality_master_precision.py`)\n\n"
-               f"`{timing.command_line()}`, {timing.datetime.date.today()}, torch {torch.__version__}.\n"
-               f"{timing.hardware_lines(meta)}\n\n"
-               f"The demo's model ({meta['model']}), {args.steps} steps, seed {args.seed}, lr {LR}, same batches; "
-               f"every row against torch.optim.AdamW on fp32 master copies (gradients upcast).\n\n{table}\n"
-               + (f"\n![loss curves]({plot.name})\n" if plot else ""))
-    timing.update_results_section(args.out / "RESULTS.md", "quality_master_precision", section)
+    picture = quality.plot(curves, args.out / "quality_master_precision.png",
+                           "demo model in bf16, one seed: master weight precision", dashed=("fusedoff_split",))
+    quality.write_section(args.out, "quality_master_precision",
+                          "Training quality by master precision (`quality_master_precision.py`)", meta,
+                          f"The demo's model ({meta['model']}), {args.steps} steps, seed {args.seed}, lr {LR}, same "
+                          "batches; every row against torch.optim.AdamW on fp32 master copies (gradients upcast).",
+                          table, picture)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timing  # noqa: E402
+import training_quality as quality  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import demo  # noqa: E402
@@ -84,25 +85,6 @@ def moment_bytes(opt, numel: int) -> float:
     return total / numel
 
 
-def train(name: str, cfg: demo.Config, corpus: torch.Tensor, vocab: int) -> tuple[list[float], float]:
-    torch.manual_seed(cfg.seed)
-    model = demo.TinyLM(vocab, cfg.model_size, cfg.layers, 4, cfg.context).to(cfg.device)
-    opt = OPTIMIZERS[name][0](list(model.parameters()))
-    batches = torch.Generator().manual_seed(cfg.seed)
-    losses = []
-    for _ in range(cfg.steps):
-        loss = demo.forward(model, demo.next_batch(corpus, cfg, batches), vocab)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, moment_bytes(opt, sum(p.numel() for p in model.parameters()))
-
-
-def final_loss(losses: list[float], window: int) -> float:
-    return sum(losses[-window:]) / len(losses[-window:])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
@@ -113,9 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=timing.RESULTS_DIR, help="where the CSV, PNG and RESULTS.md go")
     args = parser.parse_args(argv)
 
-    text = demo.make_corpus(200_000)
-    chars = sorted(set(text))
-    corpus = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    data, vocab = quality.corpus()
     cfg = demo.Config(device=torch.device(args.device), dtype=torch.float32, optimizer="adamw", offload="none",
                       backend="auto", chunk_size=0, steps=args.steps, lr=LR, seed=args.seed,
                       **demo.PRESETS[args.device])
@@ -124,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         _, precision = OPTIMIZERS[name]
         try:
-            losses, state_bytes = train(name, cfg, corpus, len(chars))
+            losses, opt, model = quality.train(OPTIMIZERS[name][0], cfg, data, vocab)
+            state_bytes = moment_bytes(opt, sum(p.numel() for p in model.parameters()))
             curves[name] = losses
         except (Unavailable, RuntimeError, NotImplementedError) as e:  # a peer that cannot run here says why
             if name.startswith("fusedoff") or name == "torch_adamw":
@@ -134,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         reference = curves["torch_adamw"]
         windows = demo.windowed_agreement(reference, losses, args.window)
-        final, final_ref = final_loss(losses, args.window), final_loss(reference, args.window)
+        final, final_ref = quality.final_loss(losses, args.window), quality.final_loss(reference, args.window)
         tolerance = TOLERANCES.get(precision)
         ok = (tolerance is None or (windows <= tolerance[0] and abs(final - final_ref) <= tolerance[1] * final_ref))
         row = {"optimizer": name, "status": "ok", "state_precision": precision, "moment_bytes_per_param": round(state_bytes, 3),
@@ -163,33 +144,12 @@ def main(argv: list[str] | None = None) -> None:
                               "OUTSIDE target" if r.get("within_target") is False else r["status"])),
     ])
     print(table)
-    plot = args.out / "quality_state_precision.png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name, losses in curves.items():
-            smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
-                      for i in range(len(losses))]
-            ax.plot(smooth, label=name, linewidth=1.2)
-        ax.set(xlabel="step", ylabel="training loss (10-step mean)",
-               title="demo model, one seed: optimizer state precision")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(plot, dpi=120)
-        plt.close(fig)
-    except ImportError:
-        plot = None
-    section = (f"## Training quality by state precision (`quality_state_precision.py`)\n\n"
-               f"`{timing.command_line()}`, {timing.datetime.date.today()}, torch {torch.__version__}.\n"
-               f"{timing.hardware_lines(meta)}\n\n"
-               f"The demo's model ({meta['model']}), {args.steps} steps, seed {args.seed}, lr {LR}, same batches; "
-               f"every row against torch.optim.AdamW with fp32 states.\n\n{table}\n"
-               + (f"\n![loss curves]({plot.name})\n" if plot else ""))
-    timing.update_results_section(args.out / "RESULTS.md", "quality_state_precision", section)
+    picture = quality.plot(curves, args.out / "quality_state_precision.png",
+                           "demo model, one seed: optimizer state precision")
+    quality.write_section(args.out, "quality_state_precision",
+                          "Training quality by state precision (`quality_state_precision.py`)", meta,
+                          f"The demo's model ({meta['model']}), {args.steps} steps, seed {args.seed}, lr {LR}, same "
+                          "batches; every row against torch.optim.AdamW with fp32 states.", table, picture)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from dataclasses import dataclass, field
@@ -204,3 +205,17 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
     """A strided (every other element) tensor with `t`'s shape, dtype and device."""
     return torch.empty(t.numel() * 2, dtype=t.dtype, device=t.device)[::2].view(t.shape)
 
+
+
+@contextlib.contextmanager
+def device_of(placement: str):
+    """The parameters' device of a placement named in the tests: "simulated" is the CPU seen as a
+    device through the stream simulator (fusedoff/offload/simulator.py, seed 5); any other, as it is."""
+    from fusedoff.offload import runtimes
+    from fusedoff.offload.simulator import SimulatedRuntime
+
+    if placement != "simulated":
+        yield
+        return
+    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
+        yield

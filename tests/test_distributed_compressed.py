@@ -161,7 +161,8 @@ def scales_of_ranks(opt, params, name: str) -> list[list[torch.Tensor]]:
 
 def low_bits_of_ranks(opt, params) -> list[list[torch.Tensor]]:
     """Each tensor's split-master low bits, flat, per rank (one process: one rank)."""
-    mine = [opt.state[p]["master_low_bits"] for p in params]
+    name = next(n for n in ("master_low_bits", "master_low_byte") if n in opt.state[params[0]])
+    mine = [opt.state[p][name] for p in params]
     mine = [(t.to_local() if hasattr(t, "to_local") else t).reshape(-1).clone() for t in mine]
     if not dist.is_initialized():
         return [[t] for t in mine]
@@ -176,7 +177,7 @@ def outcome(params, opt, precision: str) -> dict:
     out = {"params": [full(p) for p in params]}
     for name in ("exp_avg", "exp_avg_sq"):
         out[name] = [full(opt.state[p][name]) for p in params]
-    if "master_low_bits" in opt.state[params[0]]:  # (gloo gathers no int16: the shards, flat, in rank order)
+    if any(n in opt.state[params[0]] for n in ("master_low_bits", "master_low_byte")):  # (gloo gathers no int16)
         out["master_low_bits"] = [torch.cat(ranks) for ranks in low_bits_of_ranks(opt, params)]
     if precision == "8bit":
         for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):
@@ -237,6 +238,9 @@ def _worker(rank: int, port: int, folder: str, world: int) -> None:
         if world == WORLD:
             for precision, master in SPLIT_MASTERS:
                 results[precision, master] = outcome(*run(precision, "mixed", mesh, master=master), precision)
+            params, opt = run("bf16", "stream", mesh, steps=1, master="split")
+            fp32_state = opt.fp32_state_dict()["state"][0]
+            results["fp32_state_dict"] = {k: type(v).__name__ for k, v in fp32_state.items() if k != "step"}
         if world != WORLD:  # three ranks: the shards' blocks only
             if rank == 0:
                 torch.save(results, os.path.join(folder, "results.pt"))
@@ -514,3 +518,9 @@ def test_split_masters_of_shards_equal_one_process_bit_for_bit(runs, single, pre
         for t in exact:
             assert torch.equal(got[name][t].view(torch.uint8), want[name][t].view(torch.uint8)), \
                 f"{name} of tensor {t} {SHAPES[t]}"
+
+
+def test_fp32_state_dict_of_shards_holds_dtensors(runs):
+    """fp32_state_dict of sharded parameters: the decoded moments and the joined split master are
+    DTensors like their parameters (plain tensors would read as replicated to DCP)."""
+    assert runs["fp32_state_dict"] == {"exp_avg": "DTensor", "exp_avg_sq": "DTensor", "master_param": "DTensor"}

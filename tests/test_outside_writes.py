@@ -15,14 +15,12 @@ followed by the master assigned as that value through ``opt.state`` (another pat
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 import fusedoff
-from fusedoff.offload import runtimes
-from fusedoff.offload.simulator import SimulatedRuntime
+from tests.helpers import device_of
 
 SHAPES = ((33, 7), (33,), (5, 33), (5,))
 LR = 1e-2
@@ -93,15 +91,6 @@ def write_same_bits(model, index, dtype):
 
 WRITES = {"copy_": write_copy, "load_state_dict": write_load_state_dict, "nn.init": write_init,
           "data=": write_data}
-
-
-@contextlib.contextmanager
-def device_of(placement: str):
-    if placement != "simulated":
-        yield
-        return
-    with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
-        yield
 
 
 def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, read_before=True):

@@ -236,7 +236,7 @@ class Adam(FusedOptimizer):
             state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
             for name in MOMENTS:
                 if isinstance(state.get(name), Tensor) and state[name].dtype != torch.float32:
-                    state[name] = _moment_fp32(state, name, param)
+                    state[name] = like_param(_moment_fp32(state, name, param), param)  # a DTensor where sharded
             for name in MOMENTS:
                 state.pop(f"{name}_absmax", None)
             state.pop(DECODED_MARK, None)

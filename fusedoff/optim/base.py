@@ -24,26 +24,28 @@ from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
 from fusedoff.optim.state import OptimizerState
 from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_torch_flags
-from fusedoff.sharding import local_tensor
+from fusedoff.sharding import like_param, local_tensor
 
 MASTER = StateSpec("master_param", follows_param=True)
 # A split master weight: its low bits beside the bf16 parameter (see [note: split master weights] in
 # csrc/include/fusedoff/master.h). It does not follow the parameter: the parameter *is* its upper
 # half, so a written parameter moves the master with it, keeping the low bits.
-MASTER_LOW_BITS = "master_low_bits"
-MASTER_NAMES = (MASTER.name, MASTER_LOW_BITS)
+MASTER_LOW_BITS = {"split": "master_low_bits", "split8": "master_low_byte"}  # int16, uint8
+MASTER_NAMES = (MASTER.name, *MASTER_LOW_BITS.values())
 
 
 def master_spec(precision: str) -> StateSpec:
     """How a master weight of `precision` ("fp32", "split", "split8") is kept."""
     if precision == "fp32":
         return MASTER
-    return StateSpec(MASTER_LOW_BITS, masters.storage_dtype(precision))
+    # (a name of each precision's own: a checkpoint loaded by name, as DCP loads, never copies one into
+    # the other's dtype)
+    return StateSpec(MASTER_LOW_BITS[precision], masters.storage_dtype(precision))
 
 
 def master_states(states: dict) -> list:
     """The master weights of a fused call's `states` (whole or split), or [] without."""
-    return states.get(MASTER.name) or states.get(MASTER_LOW_BITS) or []
+    return next((states[name] for name in MASTER_NAMES if states.get(name)), [])
 
 
 def check_master_options(master_precision, master_weights_option) -> None:
@@ -135,8 +137,10 @@ class FusedOptimizer(Optimizer):
         parameter as it is now: load the model first); subclasses convert their own states. Raises
         before anything changes if it cannot be."""
         loaded = {name: state[name] for name in MASTER_NAMES if isinstance(state.get(name), Tensor)}
-        if not loaded or not keeps_master(param.dtype, group["master_weights"]):
+        if not loaded:
             return state
+        if not keeps_master(param.dtype, group["master_weights"]):  # no master kept: none loaded
+            return {k: v for k, v in state.items() if k not in MASTER_NAMES}
         precision = group.get("master_precision", "fp32")
         name, value = next(iter(loaded.items()))
         spec = master_spec(precision)
@@ -169,11 +173,11 @@ class FusedOptimizer(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         state_dict["param_groups"] = [{**g, "master_precision": "fp32"} for g in state_dict["param_groups"]]
         for pid, state in list(state_dict["state"].items()):
-            low = state.get(MASTER_LOW_BITS)
-            if isinstance(low, Tensor):
-                state = state_dict["state"][pid] = {k: v for k, v in state.items() if k != MASTER_LOW_BITS}
+            low = next((state[name] for name in MASTER_LOW_BITS.values() if isinstance(state.get(name), Tensor)), None)
+            if low is not None:
+                state = state_dict["state"][pid] = {k: v for k, v in state.items() if k not in MASTER_NAMES}
                 local = local_tensor(params[pid]).detach()
-                state[MASTER.name] = masters.join(local, local_tensor(low)).reshape(local.shape)
+                state[MASTER.name] = like_param(masters.join(local, local_tensor(low)).reshape(local.shape), params[pid])
         return state_dict
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
                       found_inf: Tensor | None, names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:

@@ -24,6 +24,9 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
         optimizer._check_group_options({**optimizer.defaults, **group})
     saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_groups = [{**optimizer.defaults, **g} for g in state_dict["param_groups"] for _ in g["params"]]
+    for group, param in zip(saved_groups, params):  # and options a parameter cannot take (an fp16 one split)
+        optimizer._check_group_param(group, param)
     for pid, param in zip(saved_ids, params):  # check everything before changing anything
         saved = tensors.get(pid, {})
         for key, value in saved.items():
@@ -42,11 +45,11 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
                                  f"{codec.QUANT_BLOCK})" if scales else ""))
             codes = value.dtype == torch.uint8 and isinstance(saved.get(f"{key}_absmax"), Tensor)
             # A split master's low bits (see [note: split master weights] in csrc/include/fusedoff/master.h).
-            low_bits = key == "master_low_bits" and value.dtype in (torch.int16, torch.uint8)
+            low_bits = (key, value.dtype) in (("master_low_bits", torch.int16), ("master_low_byte", torch.uint8))
             if not value.is_floating_point() and not codes and not low_bits:
                 raise ValueError(f"state {key!r} of parameter {pid} is a {value.dtype} tensor; fusedoff keeps "
                                  "floating-point states, uint8 codes with their block scales, or the int16/uint8 "
-                                 "low bits of a split master (master_low_bits)")
+                                 "low bits of a split master (master_low_bits int16, master_low_byte uint8)")
             if not scales:
                 state_for_param(value, param, key)  # raises if sharded unlike the parameter
     others = {pid: {k: v for k, v in s.items() if k not in tensors[pid]} for pid, s in states.items()}
