@@ -44,7 +44,7 @@ $(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integration
 test-oldest: $(STAMP) $(OLDEST)/bin/python
 	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py $(ARGS)
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
-	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml $(OLDEST_SUITE)/
+	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml README.md $(OLDEST_SUITE)/
 	# (the training-library integrations run on the pinned torch only: their versions follow it)
 	# (the emulated CUDA kernels are make test's: they do not depend on torch's version)
 	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
