@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,3 +220,10 @@ def device_of(placement: str):
         return
     with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
         yield
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a spawned gloo process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -14,7 +14,6 @@ results the tests below read.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
 from fusedoff.sharding import local_tensor
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -231,16 +231,10 @@ def _worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(_free_port(), folder), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), folder), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
@@ -421,7 +415,7 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
 @pytest.mark.cuda
 def test_cuda_fsdp2_streamed_states_stay_on_the_host_and_checkpoint():
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_cuda_worker, args=(_free_port(), folder), nprocs=1, join=True)
+        mp.spawn(_cuda_worker, args=(free_port(), folder), nprocs=1, join=True)
         results = torch.load(os.path.join(folder, "cuda.pt"), weights_only=False)
     for precision, result in results.items():
         assert result["on_host"], precision

@@ -19,7 +19,6 @@ mesh of its own), one into two.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 import fusedoff
 from fusedoff.kernels import codec
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -306,15 +306,9 @@ def train_columns(precision: str, mesh=None, steps: int = STEPS):
     return params, opt
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawned(world: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(_free_port(), folder, world), nprocs=world, join=True)
+        mp.spawn(_worker, args=(free_port(), folder, world), nprocs=world, join=True)
         return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
 
 import pytest
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fusedoff
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -91,16 +91,10 @@ def _worker(rank: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(_free_port(), folder), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), folder), nprocs=WORLD, join=True)
         return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
 
 
