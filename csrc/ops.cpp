@@ -561,5 +561,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "over all 2^32 fp32 values: failures of (split round trip, split8 round trip, split8 bound, "
       "parameter rounding); see [note: split master weights]");
+  m.def(
+      "state_codec_selftest",
+      [](int num_threads) -> py::object {
+        const fusedoff::StateCodecSelftest r = fusedoff::state_codec_selftest(num_threads);
+        if (!r.checked) return py::none();
+        return py::make_tuple(r.encode_signed_off, r.encode_unsigned_off, r.decode_signed_off, r.decode_unsigned_off);
+      },
+      "the host kernels' AVX-512 8-bit codec against state_codec.h: differing (encode signed, encode "
+      "unsigned) over every fp32 value, (decode signed, decode unsigned) over every code; None without AVX-512");
 }
 #endif

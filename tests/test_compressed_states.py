@@ -99,6 +99,19 @@ def test_codes_round_to_the_nearest_grid_value_ties_to_even(signed):
         assert torch.equal(codec.encode_signed(-q, torch.ones_like(q)).long(), codes | 0x80)
 
 
+def test_the_host_kernels_avx512_codec_gives_the_definitions_codes_for_every_value():
+    """csrc/cpu/state_codec_avx512.h computes the codes in float arithmetic from tables derived from
+    the maps ([note: the codec as float arithmetic]); over every fp32 bit pattern and every code,
+    under block factors across the fp32 range, it must give state_codec.h's results bit for bit.
+    (The other backends' agreement with state_codec.h: test_codes_and_random_bits_are_the_same_on_every_backend.)"""
+    from fusedoff import _C
+
+    differing = _C.state_codec_selftest(torch.get_num_threads())
+    if differing is None:
+        pytest.skip(f"no AVX-512 on this CPU (the host kernels run the {_C.cpu_isa()} form of the scalar codec)")
+    assert differing == (0, 0, 0, 0)
+
+
 def test_a_positive_second_moment_never_decodes_to_0():
     tiny = torch.tensor([1e-45, 1e-40, 2.0**-126, 1e-30])
     for absmax in tiny:

@@ -16,6 +16,8 @@ Isa current_isa();
 #define FUSEDOFF_X86_DISPATCH 1
 #define FUSEDOFF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define FUSEDOFF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// An always-inlined function with intrinsics of the AVX-512 variant (its callers carry the target).
+#define FUSEDOFF_AVX512_INLINE FUSEDOFF_TARGET_AVX512 inline __attribute__((always_inline))
 #endif
 
 namespace fusedoff {
@@ -34,9 +36,15 @@ FUSEDOFF_TARGET_AVX2 auto isa_variant_avx2(Args... args) {
   return Body::run(args...);
 }
 
+// A Body may give an AVX-512 form of its own, `static FUSEDOFF_TARGET_AVX512 ... run_avx512(Args...)`
+// (written with intrinsics, which only a function with the target may call); this variant runs it.
 template <typename Body, typename... Args>
 FUSEDOFF_TARGET_AVX512 auto isa_variant_avx512(Args... args) {
-  return Body::run(args...);
+  if constexpr (requires { Body::run_avx512(args...); }) {
+    return Body::run_avx512(args...);
+  } else {
+    return Body::run(args...);
+  }
 }
 #endif
 

@@ -25,6 +25,17 @@ struct SplitMasterSelftest {
 };
 SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads);
 
+// Counts of the values and codes on which the host kernels' AVX-512 codec (cpu/state_codec_avx512.h)
+// differs from state_codec.h's; `checked` is false where the CPU has no AVX-512 (nothing to compare).
+struct StateCodecSelftest {
+  bool checked;
+  int64_t encode_signed_off;
+  int64_t encode_unsigned_off;
+  int64_t decode_signed_off;
+  int64_t decode_unsigned_off;
+};
+StateCodecSelftest state_codec_selftest(int num_threads);
+
 // The instruction set the host kernels dispatch to on this CPU ("avx512", "avx2", "baseline").
 const char* cpu_isa_name();
 
