@@ -634,6 +634,35 @@ def test_a_deep_copy_steps_exactly_as_the_original(precision):
     assert_same(snapshot(twin, twin_params), snapshot(opt, params))
 
 
+@pytest.mark.parametrize("states", ["spanning", "tiny_scales", "zero"])
+def test_the_host_kernels_blocks_of_every_kind_give_the_references_codes(states):
+    """The host kernel updates a whole 8-bit block in AVX-512 where the CPU has it and the block's
+    scales fold into the codec's steps, and in scalar code otherwise (a tensor's last, partial
+    block; a scale between 0 and about 2^-93): three steps from states of each kind must store the
+    torch reference's codes and scales bit for bit (the parameters may differ by the reference's
+    fused multiply-adds)."""
+
+    def run(backend):
+        tensors = compressed_problem("8bit", (4096, 1000), seed=3)
+        if states == "tiny_scales":
+            tensors[1] = [g * 2.0**-50 for g in tensors[1]]
+            tensors[4] = [s * 2.0**-50 for s in tensors[4]]
+            tensors[5] = [s * 2.0**-100 for s in tensors[5]]
+        elif states == "zero":
+            for t in tensors[2] + tensors[3] + tensors[4] + tensors[5]:
+                t.zero_()
+        for _ in range(3):
+            ops.adam_compressed_step_(*tensors, [0, 0], [1, 2], backend=backend, **HYPER)
+            tensors[7] = [step + 1 for step in tensors[7]]
+        return tensors[2] + tensors[3] + tensors[4] + tensors[5]
+
+    got, want = run("cpu"), run("torch")
+    if states == "tiny_scales":  # the second moments' scales are below the fold: the scalar path ran
+        assert all(float(s.max()) < 2.0**-93 for s in want[6:])
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_codes_and_random_bits_are_the_same_on_every_backend(backend, device, precision):

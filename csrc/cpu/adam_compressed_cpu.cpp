@@ -1,8 +1,16 @@
 // Host Adam/AdamW with compressed moments: per element the math of adam.h (`adam_update`), with
 // the states decoded before and encoded after it in the same pass (state_codec.h). OpenMP across
 // cores over blocks of kBlockElements (a multiple of kQuantBlock, so no 8-bit block is split
-// between threads) and SIMD within a core, instruction set picked at run time (isa.h).
+// between threads) and SIMD within a core, instruction set picked at run time (isa.h); the 8-bit
+// blocks have an AVX-512 form of their own (update_whole_block8_avx512).
+//
+// adam.h's update runs there on 16-lane vectors (float_lanes.h), and GCC warns that a function
+// returning one without AVX-512 has another ABI; every such call is inlined into the AVX-512 code.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #include <omp.h>
+
+#include <type_traits>
 
 #include <algorithm>
 #include <vector>
@@ -11,6 +19,7 @@
 #include "fusedoff/launchers.h"
 #include "blocks.h"
 #include "isa.h"
+#include "float_lanes.h"
 #include "master_lanes.h"
 #include "state_codec_avx512.h"
 
@@ -48,137 +57,166 @@ FUSEDOFF_INLINE float block_absmax(const float* x, int64_t n) {
   return bits_to_float(static_cast<uint32_t>(most));
 }
 
-// One 8-bit block's codes and scales to fp32 moments and back (state_codec.h), compiled per ISA
-// (isa.h); the AVX-512 form is state_codec_avx512.h's, which gives the same codes.
-// `n` <= kQuantBlock elements; `m`, `v` hold the block's fp32 moments.
-struct DecodeBlock8 {
-  static FUSEDOFF_INLINE void run(const uint8_t* m_codes, float m_decode, const uint8_t* v_codes, float v_decode,
-                                  float* m, float* v, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) m[i] = decode_signed(m_codes[i], m_decode);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) v[i] = decode_unsigned(v_codes[i], v_decode);
-  }
-#if defined(FUSEDOFF_X86_DISPATCH)
-  static FUSEDOFF_AVX512_INLINE void run_avx512(const uint8_t* m_codes, float m_decode, const uint8_t* v_codes,
-                                                float v_decode, float* m, float* v, int64_t n) {
-    const __m512 m_factor = _mm512_set1_ps(m_decode);
-    const __m512 v_factor = _mm512_set1_ps(v_decode);
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-      const __m512i m_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, m_codes + i));
-      const __m512i v_code = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, v_codes + i));
-      _mm512_mask_storeu_ps(m + i, lanes, avx512_codec::decode_signed(m_code, m_factor));
-      _mm512_mask_storeu_ps(v + i, lanes, avx512_codec::decode_unsigned(v_code, v_factor));
-    }
-  }
-#endif
-};
-
-// Writes the block's scales (the largest finite magnitudes) and its codes.
-struct EncodeBlock8 {
-  static FUSEDOFF_INLINE void run(const float* m, const float* v, int64_t n, uint8_t* m_codes, uint8_t* v_codes,
-                                  float* m_absmax, float* v_absmax) {
-    const float m_max = block_absmax(m, n);
-    const float v_max = block_absmax(v, n);
-    *m_absmax = m_max;
-    *v_absmax = v_max;
-    const float m_encode = encode_factor(m_max);
-    const float v_encode = encode_factor(v_max);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) m_codes[i] = encode_signed(m[i], m_encode);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) v_codes[i] = encode_unsigned(v[i], v_encode);
-  }
-#if defined(FUSEDOFF_X86_DISPATCH)
-  static FUSEDOFF_AVX512_INLINE __mmask16 tail(int64_t n, int64_t i) {
-    return n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-  }
-  static FUSEDOFF_AVX512_INLINE void run_avx512(const float* m, const float* v, int64_t n, uint8_t* m_codes,
-                                                uint8_t* v_codes, float* m_absmax, float* v_absmax) {
-    const __m512i magnitude_mask = _mm512_set1_epi32(0x7fffffff);
-    const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
-    __m512i m_most = _mm512_setzero_si512();  // finite_magnitude's bits, as block_absmax
-    __m512i v_most = _mm512_setzero_si512();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = tail(n, i);
-      const __m512i m_bits = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, m + i), magnitude_mask);
-      const __m512i v_bits = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, v + i), magnitude_mask);
-      m_most = _mm512_mask_max_epi32(m_most, _mm512_cmplt_epi32_mask(m_bits, inf_bits), m_most, m_bits);
-      v_most = _mm512_mask_max_epi32(v_most, _mm512_cmplt_epi32_mask(v_bits, inf_bits), v_most, v_bits);
-    }
-    const float m_max = bits_to_float(static_cast<uint32_t>(_mm512_reduce_max_epi32(m_most)));
-    const float v_max = bits_to_float(static_cast<uint32_t>(_mm512_reduce_max_epi32(v_most)));
-    *m_absmax = m_max;
-    *v_absmax = v_max;
-    const __m512 m_encode = _mm512_set1_ps(encode_factor(m_max));
-    const __m512 v_encode = _mm512_set1_ps(encode_factor(v_max));
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = tail(n, i);
-      const __m512i m_code = avx512_codec::encode_signed(_mm512_maskz_loadu_ps(lanes, m + i), m_encode);
-      const __m512i v_code = avx512_codec::encode_unsigned(_mm512_maskz_loadu_ps(lanes, v + i), v_encode);
-      _mm_mask_storeu_epi8(m_codes + i, lanes, _mm512_cvtepi32_epi8(m_code));
-      _mm_mask_storeu_epi8(v_codes + i, lanes, _mm512_cvtepi32_epi8(v_code));
-    }
-  }
-#endif
-};
-
-using DecodeBlock8Fn = void (*)(const uint8_t*, float, const uint8_t*, float, float*, float*, int64_t);
-using EncodeBlock8Fn = void (*)(const float*, const float*, int64_t, uint8_t*, uint8_t*, float*, float*);
-
-// The block codec for this CPU, chosen once per call.
-struct Block8Codec {
-  DecodeBlock8Fn decode;
-  EncodeBlock8Fn encode;
-};
-
-Block8Codec block8_codec() {
-  return {select_isa_variant<DecodeBlock8, const uint8_t*, float, const uint8_t*, float, float*, float*, int64_t>(),
-          select_isa_variant<EncodeBlock8, const float*, const float*, int64_t, uint8_t*, uint8_t*, float*, float*>()};
-}
-
 template <typename P, typename G, MasterPrecision kMaster, bool kScaled, bool kBlock8>
 struct CompressedAdamRange {
-// One 8-bit block of `n` <= kQuantBlock elements from element `block` of the range: decode, update,
-// find the new scales, encode.
+// One 8-bit block of `n` <= kQuantBlock elements from element `block` of the range: decode and
+// update, find the new scales, encode.
 static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int64_t block, int64_t n, float scale,
-                                          const AdamScalars& s, const Block8Codec& codec) {
+                                          const AdamScalars& s) {
   P* __restrict__ param = static_cast<P*>(t.param) + block;
   const G* __restrict__ grad = static_cast<const G*>(t.grad) + block;
   MasterLanes<kMaster, kQuantBlock> lanes(t.master, block, block + n);  // see master_lanes.h
   using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
   void* block_master = lanes.lanes();
   const uint32_t salt = split8_salt(*t.step);
-  uint8_t* m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
-  uint8_t* v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
+  uint8_t* __restrict__ m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
+  uint8_t* __restrict__ v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
   const int64_t b = block / kQuantBlock;
-  alignas(64) float m_block[kQuantBlock];
-  alignas(64) float v_block[kQuantBlock];
-  codec.decode(m_codes, decode_factor(t.exp_avg_absmax[b]), v_codes, decode_factor(t.exp_avg_sq_absmax[b]), m_block,
-               v_block, n);
-  float* __restrict__ m = m_block;
-  float* __restrict__ v = v_block;
+  const float m_decode = decode_factor(t.exp_avg_absmax[b]);
+  const float v_decode = decode_factor(t.exp_avg_sq_absmax[b]);
+  float m[kQuantBlock];
+  float v[kQuantBlock];
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const Updated u = adam_updated(Master::load(block_master, param, i), load_float(grad + i), m[i], v[i], scale, s);
+    const Updated u = adam_updated(Master::load(block_master, param, i), load_float(grad + i),
+                                   decode_signed(m_codes[i], m_decode), decode_unsigned(v_codes[i], v_decode), scale, s);
     Master::store(block_master, param, i, u.param, salt);
     m[i] = u.exp_avg;
     v[i] = u.exp_avg_sq;
   }
   lanes.write_back();
-  codec.encode(m, v, n, m_codes, v_codes, &t.exp_avg_absmax[b], &t.exp_avg_sq_absmax[b]);
+  const float m_max = block_absmax(m, n);
+  const float v_max = block_absmax(v, n);
+  t.exp_avg_absmax[b] = m_max;
+  t.exp_avg_sq_absmax[b] = v_max;
+  const float m_encode = encode_factor(m_max);
+  const float v_encode = encode_factor(v_max);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    m_codes[i] = encode_signed(m[i], m_encode);
+    v_codes[i] = encode_unsigned(v[i], v_encode);
+  }
 }
+
+#if defined(FUSEDOFF_X86_DISPATCH)
+// update_block8 in AVX-512, bit for bit, for a whole block. The scalar code leaves the compiler a
+// loop it vectorises poorly (the codes' bytes set its vector width, and the codec's selects become
+// mask juggling); here one pass decodes 16 codes of each moment (state_codec_avx512.h), runs adam.h's
+// update on the 16 lanes (float_lanes.h) and keeps the largest magnitudes, so that the divisions and
+// the square root overlap the codec's integer work; a second pass encodes. Parameters other than
+// fp32 without a master are read and written by the scalar code (MasterWeight) in passes of their
+// own around it. The block's decode factors are folded into the map's steps, which is exact unless a
+// moment's scale is below about 2^-93 and not 0 (then the caller takes update_block8).
+static FUSEDOFF_AVX512_INLINE bool decodes_folded(float absmax) {
+  return absmax == 0.0f || avx512_codec::steps_scale_exactly(decode_factor(absmax));  // 0: every code 0 or special
+}
+
+static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAdamTensorPtrs& t, int64_t block,
+                                                              float scale, const AdamScalars& s) {
+  using namespace avx512_codec;
+  constexpr int64_t n = kQuantBlock;
+  constexpr bool kFloatParams =
+      std::is_same<P, float>::value && std::is_same<G, float>::value && kMaster == MasterPrecision::None;
+  P* __restrict__ param = static_cast<P*>(t.param) + block;
+  const G* __restrict__ grad = static_cast<const G*>(t.grad) + block;
+  uint8_t* m_codes = static_cast<uint8_t*>(t.exp_avg) + block;
+  uint8_t* v_codes = static_cast<uint8_t*>(t.exp_avg_sq) + block;
+  const int64_t b = block / kQuantBlock;
+  alignas(64) float p[n];  // the parameters (masters) and gradients in fp32, unless kFloatParams
+  alignas(64) float g[n];
+  alignas(64) float m[n];
+  alignas(64) float v[n];
+  MasterLanes<kMaster, n> lanes(t.master, block, block + n);  // see master_lanes.h
+  using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
+  void* block_master = lanes.lanes();
+  if constexpr (!kFloatParams) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = Master::load(block_master, param, i);
+      g[i] = load_float(grad + i);
+    }
+  }
+  float* const p_lanes = kFloatParams ? reinterpret_cast<float*>(param) : p;
+  const float* const g_lanes = kFloatParams ? reinterpret_cast<const float*>(grad) : g;
+  const ScaledDecodeSteps steps =
+      scaled_decode_steps(decode_factor(t.exp_avg_absmax[b]), decode_factor(t.exp_avg_sq_absmax[b]));
+  // The largest magnitude bits of each moment, unfiltered: a maximum of 0x7f800000 or more says a
+  // first moment is inf or NaN, or a second one too or negative; the scales then take a second look.
+  __m512i m_most = _mm512_setzero_si512();
+  __m512i v_most = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 16) {
+    Float16Lanes m16 = as_lanes(decode_signed(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_codes + i))), steps));
+    Float16Lanes v16 = as_lanes(decode_unsigned(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v_codes + i))), steps));
+    Float16Lanes p16 = as_lanes(_mm512_loadu_ps(p_lanes + i));
+    Float16Lanes unused = p16;
+    adam_update<false>(p16, as_lanes(_mm512_loadu_ps(g_lanes + i)), m16, v16, unused, scale, s);
+    _mm512_storeu_ps(p_lanes + i, as_m512(p16));
+    _mm512_store_ps(m + i, as_m512(m16));
+    _mm512_store_ps(v + i, as_m512(v16));
+    m_most = _mm512_max_epu32(m_most, _mm512_and_si512(_mm512_castps_si512(as_m512(m16)), _mm512_set1_epi32(0x7fffffff)));
+    v_most = _mm512_max_epu32(v_most, _mm512_castps_si512(as_m512(v16)));
+  }
+  if constexpr (!kFloatParams) {
+    const uint32_t salt = split8_salt(*t.step);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) Master::store(block_master, param, i, p[i], salt);
+  }
+  lanes.write_back();
+  const uint32_t m_most_bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(m_most));
+  const uint32_t v_most_bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(v_most));
+  const bool members = m_most_bits < 0x7f800000u && v_most_bits < 0x7f800000u;  // all finite, v >= +0
+  const float m_max = members ? bits_to_float(m_most_bits) : block_absmax(m, n);
+  const float v_max = members ? bits_to_float(v_most_bits) : block_absmax(v, n);
+  t.exp_avg_absmax[b] = m_max;
+  t.exp_avg_sq_absmax[b] = v_max;
+  const __m512 m_encode = _mm512_set1_ps(encode_factor(m_max));
+  const __m512 v_encode = _mm512_set1_ps(encode_factor(v_max));
+  if (members) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512i m_code = encode_signed_block_member(_mm512_load_ps(m + i), m_encode);
+      const __m512i v_code = encode_unsigned_block_member(_mm512_load_ps(v + i), v_encode);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + i), _mm512_cvtepi32_epi8(m_code));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + i), _mm512_cvtepi32_epi8(v_code));
+    }
+  } else {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512i m_code = encode_signed(_mm512_load_ps(m + i), m_encode);
+      const __m512i v_code = encode_unsigned(_mm512_load_ps(v + i), v_encode);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + i), _mm512_cvtepi32_epi8(m_code));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + i), _mm512_cvtepi32_epi8(v_code));
+    }
+  }
+}
+
+static FUSEDOFF_AVX512_INLINE void run_avx512(const CompressedAdamTensorPtrs* tensor, int64_t begin, int64_t end,
+                                              float grad_scale, const AdamScalars* scalars, uint32_t step_key) {
+  if constexpr (kBlock8) {
+    const CompressedAdamTensorPtrs& t = *tensor;
+    const AdamScalars s = *scalars;  // a local copy: kept in registers (see adam_cpu.cpp)
+    const float scale = kScaled ? grad_scale : 1.0f;
+    for (int64_t block = begin; block < end; block += kQuantBlock) {
+      const int64_t b = block / kQuantBlock;
+      if (end - block >= kQuantBlock && decodes_folded(t.exp_avg_absmax[b]) && decodes_folded(t.exp_avg_sq_absmax[b])) {
+        update_whole_block8_avx512(t, block, scale, s);
+      } else {  // a tensor's last, partial block, or a scale too small to fold
+        update_block8(t, block, std::min<int64_t>(kQuantBlock, end - block), scale, s);
+      }
+    }
+  } else {
+    run(tensor, begin, end, grad_scale, scalars, step_key);
+  }
+}
+#endif
 
 // Elements [begin, end) of one range (`begin` a multiple of kQuantBlock).
 static FUSEDOFF_INLINE void run(const CompressedAdamTensorPtrs* tensor, int64_t begin, int64_t end, float grad_scale,
-                                const AdamScalars* scalars, uint32_t step_key, const Block8Codec* codec) {
+                                const AdamScalars* scalars, uint32_t step_key) {
   const CompressedAdamTensorPtrs& t = *tensor;
   const AdamScalars s = *scalars;  // a local copy: kept in registers (see adam_cpu.cpp)
   const float scale = kScaled ? grad_scale : 1.0f;
   if (kBlock8) {
     for (int64_t block = begin; block < end; block += kQuantBlock) {
-      update_block8(t, block, std::min<int64_t>(kQuantBlock, end - block), scale, s, *codec);
+      update_block8(t, block, std::min<int64_t>(kQuantBlock, end - block), scale, s);
     }
     return;
   }
@@ -217,13 +255,12 @@ static FUSEDOFF_INLINE void update_bf16(const CompressedAdamTensorPtrs& t, int64
 }
 };
 
-using RangeFn = void (*)(const CompressedAdamTensorPtrs*, int64_t, int64_t, float, const AdamScalars*, uint32_t,
-                         const Block8Codec*);
+using RangeFn = void (*)(const CompressedAdamTensorPtrs*, int64_t, int64_t, float, const AdamScalars*, uint32_t);
 
 template <typename P, typename G, MasterPrecision kMaster, bool kScaled, bool kBlock8>
 RangeFn select_range_fn() {
   return select_isa_variant<CompressedAdamRange<P, G, kMaster, kScaled, kBlock8>, const CompressedAdamTensorPtrs*,
-                            int64_t, int64_t, float, const AdamScalars*, uint32_t, const Block8Codec*>();
+                            int64_t, int64_t, float, const AdamScalars*, uint32_t>();
 }
 
 template <typename P, typename G, bool kBlock8>
@@ -262,11 +299,10 @@ void adam_compressed_step_cpu(const CompressedAdamLaunch& launch) {
     step_keys[i] = rounding_step_key(launch.tensors[i].tensor_key, static_cast<uint32_t>(step));
   }
   const RangeFn range_fn = select_range_fn(launch, /*scaled=*/grad_scale != 1.0f);
-  const Block8Codec codec = block8_codec();
   for_each_block(launch.num_threads, split_into_blocks(launch.tensors, launch.num_tensors),
                  [&](int64_t, const WorkBlock& b) {
                    range_fn(&launch.tensors[b.tensor], b.begin, b.end, grad_scale, &scalars[b.tensor],
-                            step_keys[b.tensor], &codec);
+                            step_keys[b.tensor]);
                  });
 }
 

@@ -1,6 +1,7 @@
 // The proof that state_codec_avx512.h gives state_codec.h's codes: every fp32 bit pattern encoded
-// (both maps, several block factors) and every code decoded (under factors across the whole fp32
-// range), each compared bit for bit with the scalar functions.
+// (both maps; the forms for a block's members on every value they are given) and every code decoded
+// (under block factors across the whole fp32 range, folded into the steps where that is exact), each
+// compared bit for bit with the scalar functions.
 #include <omp.h>
 
 #include <cstdint>
@@ -33,12 +34,25 @@ FUSEDOFF_TARGET_AVX512 void encode_upper_half(uint32_t high, float factor, int64
     const __m512 x = _mm512_castsi512_ps(_mm512_load_si512(bits));
     signed_off += lanes_off(avx512_codec::encode_signed(x, factors), signed_codes);
     unsigned_off += lanes_off(avx512_codec::encode_unsigned(x, factors), unsigned_codes);
+    // The forms for a block's members, on every value they take: q < kBlockMemberLimit (and,
+    // unsigned, x >= +0).
+    const __mmask16 member = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_abs_ps(x), factors),
+                                                _mm512_set1_ps(avx512_codec::kBlockMemberLimit), _CMP_LT_OQ);
+    const __mmask16 positive = _mm512_cmplt_epu32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000));
+    const __m512i expected_signed = _mm512_load_si512(signed_codes);
+    const __m512i expected_unsigned = _mm512_load_si512(unsigned_codes);
+    signed_off += __builtin_popcount(
+        _mm512_mask_cmpneq_epi32_mask(member, avx512_codec::encode_signed_block_member(x, factors), expected_signed));
+    unsigned_off += __builtin_popcount(_mm512_mask_cmpneq_epi32_mask(
+        member & positive, avx512_codec::encode_unsigned_block_member(x, factors), expected_unsigned));
   }
 }
 
-// Decodes all 256 codes under `factor`, both ways.
-FUSEDOFF_TARGET_AVX512 void decode_all_codes(float factor, int64_t& signed_off, int64_t& unsigned_off) {
-  const __m512 factors = _mm512_set1_ps(factor);
+// Decodes all 256 codes under `factor`, one whose steps scale exactly, both ways; with `zero_scale`
+// (the factor of a block whose scale is 0) only the codes such a block has: 0 (and -0) and the
+// non-finite ones.
+FUSEDOFF_TARGET_AVX512 void decode_all_codes(float factor, bool zero_scale, int64_t& signed_off,
+                                             int64_t& unsigned_off) {
   alignas(64) uint32_t codes[16];
   alignas(64) uint32_t signed_values[16];
   alignas(64) uint32_t unsigned_values[16];
@@ -49,8 +63,18 @@ FUSEDOFF_TARGET_AVX512 void decode_all_codes(float factor, int64_t& signed_off, 
       unsigned_values[lane] = float_to_bits(decode_unsigned(static_cast<uint8_t>(codes[lane]), factor));
     }
     const __m512i code = _mm512_load_si512(codes);
-    signed_off += lanes_off(_mm512_castps_si512(avx512_codec::decode_signed(code, factors)), signed_values);
-    unsigned_off += lanes_off(_mm512_castps_si512(avx512_codec::decode_unsigned(code, factors)), unsigned_values);
+    const avx512_codec::ScaledDecodeSteps steps = avx512_codec::scaled_decode_steps(factor, factor);
+    const __mmask16 all = 0xffff;
+    const __mmask16 signed_lanes = zero_scale ? _mm512_cmpeq_epi32_mask(_mm512_and_si512(code, _mm512_set1_epi32(0x7f)), _mm512_setzero_si512()) |
+                                                    _mm512_cmpge_epu32_mask(_mm512_and_si512(code, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(kSignedInf))
+                                              : all;
+    const __mmask16 unsigned_lanes = zero_scale ? _mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) |
+                                                      _mm512_cmpge_epu32_mask(code, _mm512_set1_epi32(kUnsignedInf))
+                                                : all;
+    signed_off += __builtin_popcount(_mm512_mask_cmpneq_epi32_mask(
+        signed_lanes, _mm512_castps_si512(avx512_codec::decode_signed(code, steps)), _mm512_load_si512(signed_values)));
+    unsigned_off += __builtin_popcount(_mm512_mask_cmpneq_epi32_mask(
+        unsigned_lanes, _mm512_castps_si512(avx512_codec::decode_unsigned(code, steps)), _mm512_load_si512(unsigned_values)));
   }
 }
 #endif
@@ -73,12 +97,15 @@ StateCodecSelftest state_codec_selftest(int num_threads) {
   r.encode_signed_off = signed_off;
   r.encode_unsigned_off = unsigned_off;
   // The decode factor of every block scale whose bits end in 12 zeros (2^19 scales, 0 and the
-  // smallest subnormals to the largest finite), and of 0.
+  // smallest subnormals to the largest finite) that the kernels decode in AVX-512: 0, or one whose
+  // steps scale exactly (the others take the scalar code).
   signed_off = 0;
   unsigned_off = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : signed_off, unsigned_off)
-  for (int64_t scale = 0; scale < (int64_t{0x7f800000} >> 12); ++scale)
-    decode_all_codes(decode_factor(bits_to_float(static_cast<uint32_t>(scale) << 12)), signed_off, unsigned_off);
+  for (int64_t scale = 0; scale < (int64_t{0x7f800000} >> 12); ++scale) {
+    const float factor = decode_factor(bits_to_float(static_cast<uint32_t>(scale) << 12));
+    if (scale == 0 || avx512_codec::steps_scale_exactly(factor)) decode_all_codes(factor, scale == 0, signed_off, unsigned_off);
+  }
   r.decode_signed_off = signed_off;
   r.decode_unsigned_off = unsigned_off;
 #else

@@ -183,13 +183,45 @@ FUSEDOFF_AVX512_INLINE __m512i encode_unsigned(__m512 x, __m512 encode_factor) {
   return code;
 }
 
-// decode_signed of 16 codes given as 32-bit lanes.
-FUSEDOFF_AVX512_INLINE __m512 decode_signed(__m512i code, __m512 decode_factor) {
-  const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi32(0x7f));
+// A block's decode factor times each table step, where each product is exact (a power of two times
+// the factor, neither subnormal nor inf): then a code's value times the factor is one rounding of
+// (code - base) * (step * factor), as decode's two multiplications give it (the first is exact).
+struct ScaledDecodeSteps {
+  __m512 signed_steps[2];
+  __m512 unsigned_steps[4];
+};
+
+constexpr float kSmallestDecodeStep = 2.3283064365386962890625e-10f;  // 2^-32, UnsignedMap::kSubnormalStep
+constexpr float kLargestDecodeStep = 0.03125f;                          // 2^-5, the binade [1, 2) of 5 bits
+static_assert(SignedMap::kSubnormalStep >= kSmallestDecodeStep && UnsignedMap::kSubnormalStep >= kSmallestDecodeStep);
+
+// Whether every step times `decode_factor` is a normal float.
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE bool steps_scale_exactly(float decode_factor) {
+  return decode_factor >= 1.17549435082228750797e-38f / kSmallestDecodeStep &&
+         decode_factor < 3.40282346638528859812e+38f / kLargestDecodeStep;
+}
+
+// The steps of both maps times the decode factors of a block's two moments.
+FUSEDOFF_AVX512_INLINE ScaledDecodeSteps scaled_decode_steps(float signed_factor, float unsigned_factor) {
+  ScaledDecodeSteps steps;
+  for (int k = 0; k < 2; ++k)
+    steps.signed_steps[k] = _mm512_mul_ps(_mm512_loadu_ps(kSignedDecode.step + 16 * k), _mm512_set1_ps(signed_factor));
+  for (int k = 0; k < 4; ++k)
+    steps.unsigned_steps[k] =
+        _mm512_mul_ps(_mm512_loadu_ps(kUnsignedDecode.step + 16 * k), _mm512_set1_ps(unsigned_factor));
+  return steps;
+}
+
+// The values of signed codes' magnitudes, times the block's factor (folded into the steps).
+FUSEDOFF_AVX512_INLINE __m512 signed_magnitude(__m512i magnitude, __m512 step_low, __m512 step_high) {
   const __m512i group = _mm512_srli_epi32(magnitude, 2);
   const __m512i steps = _mm512_sub_epi32(magnitude, lookup(kSignedDecode.base, group));
-  __m512i value = _mm512_castps_si512(
-      _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(steps), lookup(kSignedDecode.step, group)), decode_factor));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_permutex2var_ps(step_low, group, step_high));
+}
+
+// The sign, inf and NaN of signed codes on their magnitudes' values.
+FUSEDOFF_AVX512_INLINE __m512 finish_signed(__m512i code, __m512i magnitude, __m512 value_of_magnitude) {
+  __m512i value = _mm512_castps_si512(value_of_magnitude);
   const __mmask16 special = _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(kSignedInf));
   if (__builtin_expect(special != 0, 0)) {
     value = _mm512_mask_mov_epi32(value, special, _mm512_set1_epi32(0x7f800000));
@@ -201,17 +233,26 @@ FUSEDOFF_AVX512_INLINE __m512 decode_signed(__m512i code, __m512 decode_factor) 
                                                        _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xf8));
 }
 
-// decode_unsigned of 16 codes given as 32-bit lanes.
-FUSEDOFF_AVX512_INLINE __m512 decode_unsigned(__m512i code, __m512 decode_factor) {
+// decode_signed of 16 codes given as 32-bit lanes, the block's factor folded into the steps
+// (steps_scale_exactly).
+FUSEDOFF_AVX512_INLINE __m512 decode_signed(__m512i code, const ScaledDecodeSteps& steps) {
+  const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi32(0x7f));
+  return finish_signed(code, magnitude, signed_magnitude(magnitude, steps.signed_steps[0], steps.signed_steps[1]));
+}
+
+FUSEDOFF_AVX512_INLINE __m512 unsigned_value(__m512i code, const __m512* step_table) {
   const __m512i group = _mm512_srli_epi32(code, 2);  // 0..63: the upper half of the table where bit 5 is set
   const __mmask16 upper = _mm512_test_epi32_mask(group, _mm512_set1_epi32(32));
   const __m512i base = _mm512_mask_blend_epi32(upper, lookup(kUnsignedDecode.base, group),
                                                lookup(kUnsignedDecode.base + 32, group));
-  const __m512 step = _mm512_mask_blend_ps(upper, lookup(kUnsignedDecode.step, group),
-                                           lookup(kUnsignedDecode.step + 32, group));
-  __m512i value = _mm512_castps_si512(
-      _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(code, base)), step), decode_factor));
-  // A positive code never decodes to 0 (underflow): max(value, 1) where the code is not 0.
+  const __m512 step = _mm512_mask_blend_ps(upper, _mm512_permutex2var_ps(step_table[0], group, step_table[1]),
+                                           _mm512_permutex2var_ps(step_table[2], group, step_table[3]));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(code, base)), step);
+}
+
+// A positive code never decodes to 0 (underflow), inf, NaN.
+FUSEDOFF_AVX512_INLINE __m512 finish_unsigned(__m512i code, __m512 scaled_value) {
+  __m512i value = _mm512_castps_si512(scaled_value);
   value = _mm512_mask_max_epu32(value, _mm512_test_epi32_mask(code, code), value, _mm512_set1_epi32(1));
   const __mmask16 special = _mm512_cmpge_epu32_mask(code, _mm512_set1_epi32(kUnsignedInf));
   if (__builtin_expect(special != 0, 0)) {
@@ -220,6 +261,42 @@ FUSEDOFF_AVX512_INLINE __m512 decode_unsigned(__m512i code, __m512 decode_factor
     value = _mm512_mask_mov_epi32(value, nan, _mm512_set1_epi32(0x7fc00000));
   }
   return _mm512_castsi512_ps(value);
+}
+
+// decode_unsigned of 16 codes given as 32-bit lanes, the block's factor folded into the steps
+// (steps_scale_exactly).
+FUSEDOFF_AVX512_INLINE __m512 decode_unsigned(__m512i code, const ScaledDecodeSteps& steps) {
+  return finish_unsigned(code, unsigned_value(code, steps.unsigned_steps));
+}
+
+// ---- encoding the members of a block ----------------------------------------------------------------
+// Where every value of a block is finite (second moments: and not negative, -0.0 included), each
+// value's q = |x| * encode_factor(absmax) is at most kCodeTop times two roundings up, below
+// kBlockMemberLimit, the midpoint between the top code (kCodeTop) and the value after it. Then the
+// exponent needs no upper clamp, the code no clamp to kMaxCode, and no value a fix-up.
+constexpr float kBlockMemberLimit = kCodeTop + 0.015625f;  // + 2^-6: half a step of the binade [1, 2)
+FUSEDOFF_AVX512_INLINE __m512i block_member_code(__m512 q, const float* scale_table, const int32_t* base_table,
+                                                 uint32_t lowest_exponent) {
+  const __m512i e = _mm512_max_epu32(_mm512_srli_epi32(_mm512_castps_si512(q), 23), _mm512_set1_epi32(static_cast<int>(lowest_exponent)));
+  const __m512 scaled = _mm512_mul_ps(q, lookup(scale_table, e));
+  const __m512i rounded = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_add_epi32(rounded, lookup(base_table, e));
+}
+
+// encode_signed of finite x with |x| * encode_factor < kBlockMemberLimit.
+FUSEDOFF_AVX512_INLINE __m512i encode_signed_block_member(__m512 x, __m512 encode_factor) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512 q = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff))), encode_factor);
+  const __m512i code = block_member_code(q, kSignedEncode.scale, kSignedEncode.base, EncodeTable<SignedMap>::kLowest);
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xf8);
+}
+
+// encode_unsigned of finite x >= +0 with x * encode_factor < kBlockMemberLimit.
+FUSEDOFF_AVX512_INLINE __m512i encode_unsigned_block_member(__m512 x, __m512 encode_factor) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i code = block_member_code(_mm512_mul_ps(x, encode_factor), kUnsignedEncode.scale, kUnsignedEncode.base,
+                                         EncodeTable<UnsignedMap>::kLowest);
+  return _mm512_mask_max_epu32(code, _mm512_test_epi32_mask(bits, bits), code, _mm512_set1_epi32(1));
 }
 
 }  // namespace avx512_codec

@@ -66,23 +66,33 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE AdamScalars adam_scalars(const AdamHyperpar
   return s;
 }
 
-// One element. `grad_scale` is 1 when there is no AMP scaler. `max_exp_avg_sq` is read and written
-// only when kAmsgrad.
-template <bool kAmsgrad>
-FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void adam_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
-                                                      float& max_exp_avg_sq, float grad_scale,
-                                                      const AdamScalars& s) {
-  float g = s.grad_sign * (grad / grad_scale);
+// The elementwise functions the update calls besides arithmetic, for F = float. The host kernels
+// specialise it for a vector type (csrc/cpu/float_lanes.h: F holds 16 elements, and every operation
+// is the float one in each lane), so that the update below is written once for them too.
+template <typename F>
+struct LaneMath;
+template <>
+struct LaneMath<float> {
+  static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float sqrt(float x) { return sqrtf(x); }
+  static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float max(float a, float b) { return fmaxf(a, b); }
+};
+
+// One element (or one vector of them, see LaneMath). `grad_scale` is 1 when there is no AMP scaler.
+// `max_exp_avg_sq` is read and written only when kAmsgrad.
+template <bool kAmsgrad, typename F>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void adam_update(F& param, const F& grad, F& exp_avg, F& exp_avg_sq, F& max_exp_avg_sq,
+                                                      float grad_scale, const AdamScalars& s) {
+  F g = s.grad_sign * (grad / grad_scale);
   g = g + s.l2_decay * param;
   param = param * s.decay_factor;
   exp_avg = s.beta1 * exp_avg + s.one_minus_beta1 * g;
   exp_avg_sq = s.beta2 * exp_avg_sq + s.one_minus_beta2 * g * g;
-  float vhat = exp_avg_sq;
-  if (kAmsgrad) {
-    max_exp_avg_sq = fmaxf(max_exp_avg_sq, exp_avg_sq);
+  F vhat = exp_avg_sq;
+  if constexpr (kAmsgrad) {
+    max_exp_avg_sq = LaneMath<F>::max(max_exp_avg_sq, exp_avg_sq);
     vhat = max_exp_avg_sq;
   }
-  const float denom = sqrtf(vhat) / s.bias_correction2_sqrt + s.eps;
+  const F denom = LaneMath<F>::sqrt(vhat) / s.bias_correction2_sqrt + s.eps;
   param = param - s.step_size * (exp_avg / denom);
 }
 
