@@ -293,6 +293,32 @@ def test_compressed_equals_the_host_kernel(precision, dtypes, mode):
     assert_same_bits(got, want)
 
 
+def test_compressed_blocks_with_non_finite_values_and_zero_scales_equal_the_host_kernel():
+    """The host kernel's AVX-512 8-bit blocks (csrc/cpu/adam_compressed_cpu.cpp) take other paths where
+    a moment is inf or NaN (the scales' second look and the full encode) or a block's scale is 0 with
+    codes that are not 0 (a state written from outside: the scalar code), which the finite problems
+    above never reach; the emulated device kernel runs the scalar codec (state_codec.h) throughout."""
+    sizes = (1000, CHUNK + 300)
+    problem = compressed_problem("8bit", sizes, seed=5)
+    problem[4][0][1] = 0.0  # block 1's first moments and block 2's second ones: scale 0, codes as they are
+    problem[5][0][2] = 0.0
+
+    def run(backend):
+        tensors = copy.deepcopy(problem)
+        for step in range(3):
+            tensors[1] = [spanning_values(n, 100 * step + i, low=-6, high=1) for i, n in enumerate(sizes)]
+            if step == 0:  # NaN, inf and -inf moments from here on, in three blocks
+                tensors[1][0][[3, 260, 700]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+            ops.increment_steps_(tensors[7], None)
+            ops.adam_compressed_step_(*tensors, compressed_offsets("8bit", sizes), [7, 8], backend=backend,
+                                      **COMPRESSED_HYPER)
+        return compressed_dict(tensors)
+
+    got, want = run("cuda_emulated"), run("cpu")
+    assert set(want["exp_avg_sqs"][0][[3, 260, 700]].tolist()) <= {0xFE, 0xFF}  # inf or NaN codes
+    assert_same_bits(got, want)
+
+
 @pytest.mark.parametrize("found_inf", [1.0, 2.0])
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 def test_compressed_found_inf_changes_nothing(precision, found_inf):

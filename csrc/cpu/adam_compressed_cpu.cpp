@@ -98,7 +98,7 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
   }
 }
 
-#if defined(FUSEDOFF_X86_DISPATCH)
+#if defined(FUSEDOFF_AVX512_LANES)
 // update_block8 in AVX-512, bit for bit, for a whole block. The scalar code leaves the compiler a
 // loop it vectorises poorly (the codes' bytes set its vector width, and the codec's selects become
 // mask juggling); here one pass decodes 16 codes of each moment (state_codec_avx512.h), runs adam.h's
@@ -106,9 +106,22 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
 // the square root overlap the codec's integer work; a second pass encodes. Parameters other than
 // fp32 without a master are read and written by the scalar code (MasterWeight) in passes of their
 // own around it. The block's decode factors are folded into the map's steps, which is exact unless a
-// moment's scale is below about 2^-93 and not 0 (then the caller takes update_block8).
-static FUSEDOFF_AVX512_INLINE bool decodes_folded(float absmax) {
-  return absmax == 0.0f || avx512_codec::steps_scale_exactly(decode_factor(absmax));  // 0: every code 0 or special
+// moment's scale is below about 2^-93 (then the caller takes update_block8; see decodes_folded).
+// Whether a moment's codes decode exactly with its factor folded into the steps: where the products
+// are normal, or, with scale 0, where every code is 0 or non-finite (the only codes a block of scale 0
+// is given; the underflowed steps would read any other one wrongly).
+template <bool kSigned>
+static FUSEDOFF_AVX512_INLINE bool decodes_folded(float absmax, const uint8_t* codes) {
+  if (avx512_codec::steps_scale_exactly(decode_factor(absmax))) return true;
+  if (absmax != 0.0f) return false;
+  const __m512i first_special = _mm512_set1_epi8(static_cast<char>(kSigned ? kSignedInf : kUnsignedInf));
+  for (int64_t i = 0; i < kQuantBlock; i += 64) {
+    __m512i magnitude = _mm512_loadu_si512(codes + i);
+    if (kSigned) magnitude = _mm512_and_si512(magnitude, _mm512_set1_epi8(0x7f));
+    const __mmask64 zero = _mm512_testn_epi8_mask(magnitude, magnitude);
+    if ((zero | _mm512_cmpge_epu8_mask(magnitude, first_special)) != ~__mmask64{0}) return false;
+  }
+  return true;
 }
 
 static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAdamTensorPtrs& t, int64_t block,
@@ -196,7 +209,9 @@ static FUSEDOFF_AVX512_INLINE void run_avx512(const CompressedAdamTensorPtrs* te
     const float scale = kScaled ? grad_scale : 1.0f;
     for (int64_t block = begin; block < end; block += kQuantBlock) {
       const int64_t b = block / kQuantBlock;
-      if (end - block >= kQuantBlock && decodes_folded(t.exp_avg_absmax[b]) && decodes_folded(t.exp_avg_sq_absmax[b])) {
+      if (end - block >= kQuantBlock &&
+          decodes_folded<true>(t.exp_avg_absmax[b], static_cast<const uint8_t*>(t.exp_avg) + block) &&
+          decodes_folded<false>(t.exp_avg_sq_absmax[b], static_cast<const uint8_t*>(t.exp_avg_sq) + block)) {
         update_whole_block8_avx512(t, block, scale, s);
       } else {  // a tensor's last, partial block, or a scale too small to fold
         update_block8(t, block, std::min<int64_t>(kQuantBlock, end - block), scale, s);

@@ -7,7 +7,7 @@
 #include "isa.h"
 #include "state_codec_avx512.h"  // immintrin.h
 
-#if defined(FUSEDOFF_X86_DISPATCH)
+#if defined(FUSEDOFF_AVX512_LANES)
 
 namespace fusedoff {
 
@@ -15,9 +15,9 @@ using Float16Lanes = float __attribute__((vector_size(64)));
 
 template <>
 struct LaneMath<Float16Lanes> {
-  // Not always_inline: adam_update, which calls it, has no AVX-512 target of its own, and GCC and
-  // Clang inline it once adam_update is inlined into the AVX-512 variant. (No max: amsgrad does not
-  // run on these lanes.)
+  // Not always_inline: adam_update, which calls it, has no AVX-512 target of its own, and GCC
+  // inlines it once adam_update is inlined into the AVX-512 variant (see FUSEDOFF_AVX512_LANES in
+  // isa.h). (No max: amsgrad does not run on these lanes.)
   static FUSEDOFF_TARGET_AVX512 inline Float16Lanes sqrt(Float16Lanes x) {
     return reinterpret_cast<Float16Lanes>(_mm512_sqrt_ps(reinterpret_cast<__m512>(x)));
   }
@@ -28,4 +28,4 @@ FUSEDOFF_AVX512_INLINE __m512 as_m512(Float16Lanes x) { return reinterpret_cast<
 
 }  // namespace fusedoff
 
-#endif  // FUSEDOFF_X86_DISPATCH
+#endif  // FUSEDOFF_AVX512_LANES

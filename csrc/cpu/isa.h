@@ -4,6 +4,8 @@
 // body) and the variant for this CPU is picked when the kernel runs.
 #pragma once
 
+#include <type_traits>
+
 namespace fusedoff {
 
 enum class Isa { Baseline, Avx2, Avx512 };
@@ -18,6 +20,12 @@ Isa current_isa();
 #define FUSEDOFF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 // An always-inlined function with intrinsics of the AVX-512 variant (its callers carry the target).
 #define FUSEDOFF_AVX512_INLINE FUSEDOFF_TARGET_AVX512 inline __attribute__((always_inline))
+// adam.h's update on GCC's 16-lane vectors (float_lanes.h). Clang refuses a call with a 512-bit
+// vector in a function without AVX-512 even where it inlines it (adam_update's call of the vector
+// square root), so with Clang the kernels that use them run their scalar code.
+#if !defined(__clang__)
+#define FUSEDOFF_AVX512_LANES 1
+#endif
 #endif
 
 namespace fusedoff {
@@ -38,9 +46,14 @@ FUSEDOFF_TARGET_AVX2 auto isa_variant_avx2(Args... args) {
 
 // A Body may give an AVX-512 form of its own, `static FUSEDOFF_TARGET_AVX512 ... run_avx512(Args...)`
 // (written with intrinsics, which only a function with the target may call); this variant runs it.
+template <typename Body, typename = void>
+struct HasAvx512Form : std::false_type {};
+template <typename Body>
+struct HasAvx512Form<Body, std::void_t<decltype(&Body::run_avx512)>> : std::true_type {};
+
 template <typename Body, typename... Args>
 FUSEDOFF_TARGET_AVX512 auto isa_variant_avx512(Args... args) {
-  if constexpr (requires { Body::run_avx512(args...); }) {
+  if constexpr (HasAvx512Form<Body>::value) {
     return Body::run_avx512(args...);
   } else {
     return Body::run(args...);

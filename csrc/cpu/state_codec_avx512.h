@@ -13,7 +13,7 @@
 // an integer rounds ties to the even integer, as the scalar rounding does (its integer u >> shift
 // has the same parity). base(e) puts the binade's first code where the map has it, and a mantissa
 // that rounds up to 2^(k+1) carries into the next binade's first code, as in the scalar code. Below
-// the first piece the codes count steps of 2^-kSubnormalExponent: the same form, with the scale of
+// the first piece the codes count steps of kSubnormalStep: the same form, with the scale of
 // the first piece's lowest binade and base 0. So one lookup by exponent (32 entries, one two-source
 // permute per table) gives scale and base. Values of 2 and more (never a finite member of a block,
 // whose largest element maps to kCodeTop) and inf/NaN land on the largest code or above it, and the
@@ -24,20 +24,24 @@
 // in the scalar code.
 #pragma once
 
-// GCC 12 warns, wrongly, that the intrinsics' own undefined placeholders are read uninitialised
-// (GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <cstdint>
 
 #include "fusedoff/state_codec.h"
 #include "isa.h"
 
 #if defined(FUSEDOFF_X86_DISPATCH)
+
+// GCC 12 warns, wrongly, that the intrinsics' own undefined placeholders are read uninitialised
+// (GCC bug 105593, fixed in GCC 13).
+#if !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace fusedoff {
 namespace avx512_codec {
@@ -192,13 +196,12 @@ struct ScaledDecodeSteps {
 };
 
 constexpr float kSmallestDecodeStep = 2.3283064365386962890625e-10f;  // 2^-32, UnsignedMap::kSubnormalStep
-constexpr float kLargestDecodeStep = 0.03125f;                          // 2^-5, the binade [1, 2) of 5 bits
 static_assert(SignedMap::kSubnormalStep >= kSmallestDecodeStep && UnsignedMap::kSubnormalStep >= kSmallestDecodeStep);
 
-// Whether every step times `decode_factor` is a normal float.
+// Whether every step times `decode_factor` is a normal float. (No step is above 2^-5, so a product
+// never overflows: a block's factor is finite.)
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE bool steps_scale_exactly(float decode_factor) {
-  return decode_factor >= 1.17549435082228750797e-38f / kSmallestDecodeStep &&
-         decode_factor < 3.40282346638528859812e+38f / kLargestDecodeStep;
+  return decode_factor >= 1.17549435082228750797e-38f / kSmallestDecodeStep;
 }
 
 // The steps of both maps times the decode factors of a block's two moments.
