@@ -99,14 +99,6 @@ static FUSEDOFF_INLINE void update_block8(const CompressedAdamTensorPtrs& t, int
 }
 
 #if defined(FUSEDOFF_AVX512_LANES)
-// update_block8 in AVX-512, bit for bit, for a whole block. The scalar code leaves the compiler a
-// loop it vectorises poorly (the codes' bytes set its vector width, and the codec's selects become
-// mask juggling); here one pass decodes 16 codes of each moment (state_codec_avx512.h), runs adam.h's
-// update on the 16 lanes (float_lanes.h) and keeps the largest magnitudes, so that the divisions and
-// the square root overlap the codec's integer work; a second pass encodes. Parameters other than
-// fp32 without a master are read and written by the scalar code (MasterWeight) in passes of their
-// own around it. The block's decode factors are folded into the map's steps, which is exact unless a
-// moment's scale is below about 2^-93 (then the caller takes update_block8; see decodes_folded).
 // Whether a moment's codes decode exactly with its factor folded into the steps: where the products
 // are normal, or, with scale 0, where every code is 0 or non-finite (the only codes a block of scale 0
 // is given; the underflowed steps would read any other one wrongly).
@@ -124,6 +116,30 @@ static FUSEDOFF_AVX512_INLINE bool decodes_folded(float absmax, const uint8_t* c
   return true;
 }
 
+// The codes of a whole block's fp32 moments m and v under the block's encode factors; kMembers: every
+// value is finite (and every v >= +0), state_codec_avx512.h's forms for a block's members.
+template <bool kMembers>
+static FUSEDOFF_AVX512_INLINE void encode_block8_avx512(const float* m, const float* v, __m512 m_encode,
+                                                        __m512 v_encode, uint8_t* m_codes, uint8_t* v_codes) {
+  using namespace avx512_codec;
+  for (int64_t i = 0; i < kQuantBlock; i += 16) {
+    const __m512 m16 = _mm512_load_ps(m + i);
+    const __m512 v16 = _mm512_load_ps(v + i);
+    const __m512i m_code = kMembers ? encode_signed_block_member(m16, m_encode) : encode_signed(m16, m_encode);
+    const __m512i v_code = kMembers ? encode_unsigned_block_member(v16, v_encode) : encode_unsigned(v16, v_encode);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + i), _mm512_cvtepi32_epi8(m_code));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + i), _mm512_cvtepi32_epi8(v_code));
+  }
+}
+
+// update_block8 in AVX-512, bit for bit, for a whole block. The scalar code leaves the compiler a
+// loop it vectorises poorly (the codes' bytes set its vector width, and the codec's selects become
+// mask juggling); here one pass decodes 16 codes of each moment (state_codec_avx512.h), runs adam.h's
+// update on the 16 lanes (float_lanes.h) and keeps the largest magnitudes, so that the divisions and
+// the square root overlap the codec's integer work; a second pass encodes. Parameters other than
+// fp32 without a master are read and written by the scalar code (MasterWeight) in passes of their
+// own around it. The block's decode factors are folded into the map's steps, which is exact unless a
+// moment's scale is below about 2^-93 (then the caller takes update_block8; see decodes_folded).
 static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAdamTensorPtrs& t, int64_t block,
                                                               float scale, const AdamScalars& s) {
   using namespace avx512_codec;
@@ -185,19 +201,9 @@ static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAd
   const __m512 m_encode = _mm512_set1_ps(encode_factor(m_max));
   const __m512 v_encode = _mm512_set1_ps(encode_factor(v_max));
   if (members) {
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512i m_code = encode_signed_block_member(_mm512_load_ps(m + i), m_encode);
-      const __m512i v_code = encode_unsigned_block_member(_mm512_load_ps(v + i), v_encode);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + i), _mm512_cvtepi32_epi8(m_code));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + i), _mm512_cvtepi32_epi8(v_code));
-    }
+    encode_block8_avx512<true>(m, v, m_encode, v_encode, m_codes, v_codes);
   } else {
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512i m_code = encode_signed(_mm512_load_ps(m + i), m_encode);
-      const __m512i v_code = encode_unsigned(_mm512_load_ps(v + i), v_encode);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(m_codes + i), _mm512_cvtepi32_epi8(m_code));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(v_codes + i), _mm512_cvtepi32_epi8(v_code));
-    }
+    encode_block8_avx512<false>(m, v, m_encode, v_encode, m_codes, v_codes);
   }
 }
 

@@ -1,4 +1,4 @@
-// 16 fp32 lanes as a GCC/Clang vector type, for adam.h's update to run on unchanged: arithmetic on
+// 16 fp32 lanes as a GCC vector type, for adam.h's update to run on unchanged: arithmetic on
 // it is the float operation in each lane (one AVX-512 instruction in the AVX-512 variant; contraction
 // into FMAs stays off, -ffp-contract=off), and LaneMath gives the square root.
 #pragma once
