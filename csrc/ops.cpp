@@ -562,6 +562,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "over all 2^32 fp32 values: failures of (split round trip, split8 round trip, split8 bound, "
       "parameter rounding); see [note: split master weights]");
   m.def(
+      "split_master_lanes_selftest",
+      [](uint32_t salt, int num_threads) -> py::object {
+        const fusedoff::SplitMasterLanesSelftest r = fusedoff::split_master_lanes_selftest(salt, num_threads);
+        if (!r.checked) return py::none();
+        return py::make_tuple(r.split_off, r.split8_off);
+      },
+      "over all 2^32 fp32 values: the host kernels' 16-lane (split, split8) masters that differ from "
+      "master.h's scalar ones; None without AVX-512");
+  m.def(
       "state_codec_selftest",
       [](int num_threads) -> py::object {
         const fusedoff::StateCodecSelftest r = fusedoff::state_codec_selftest(num_threads);

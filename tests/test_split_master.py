@@ -43,6 +43,18 @@ def test_the_split_encoding_is_exact_for_every_fp32_value():
         assert (split, split8, split8_bound, rounding) == (0, 0, 0, 0)
 
 
+def test_the_host_kernels_16_lane_masters_give_the_definitions_bits_for_every_fp32_value():
+    """The AVX-512 host kernels split and join masters 16 at a time (csrc/cpu/master_lanes.h, the same
+    templates of master.h on vectors): over all 2^32 masters, the parameter, the low bits (split and
+    split8, one salt) and the master joined back equal master.h's scalar form. About 15 s of C++."""
+    from fusedoff import _C
+
+    differing = _C.split_master_lanes_selftest(0x5B1175A8, torch.get_num_threads())
+    if differing is None:
+        pytest.skip(f"the host kernels have no AVX-512 form on this CPU ({_C.cpu_isa()}): nothing to compare")
+    assert differing == (0, 0)
+
+
 def test_round_to_nearest_even_leaves_one_master_too_many_for_16_bits():
     """Why the parameter of a master rounds ties away: under torch's round-to-nearest-even, the fp32
     values that round to the even bf16 1.0 number 2^16 + 1, and to its odd neighbour 2^16 - 1."""

@@ -7,8 +7,8 @@
 //       csrc/cpu/adam_cpu.cpp csrc/cpu/isa.cpp -o /tmp/host_kernel_timing      (one line)
 //   /tmp/host_kernel_timing MODE NUMEL THREADS REPEATS
 //
-// MODE: fp32 | bf16 | 8bit (states, fp32 params) or split | split8 | 8bit_split8 (bf16 params with
-// that master, fp32 states unless 8bit). Prints the best time after two warm-up calls, in ns per
+// MODE: fp32 | bf16 | 8bit (states, fp32 params) or fp32master | split | split8 | 8bit_split8 (bf16
+// params with that master, fp32 states unless 8bit; fp32master keeps its master in the fp32 array). Prints the best time after two warm-up calls, in ns per
 // parameter and core. NONFINITE=1 puts a NaN, an inf and a -inf into the gradient.
 #include <chrono>
 #include <cstdio>
@@ -38,10 +38,12 @@ int main(int argc, char** argv) {
   const int64_t n = std::atoll(argv[2]);
   const int threads = std::atoi(argv[3]);
   const int repeats = std::atoi(argv[4]);
-  const bool bf16_params = std::strstr(mode, "split") != nullptr;
+  const bool fp32_master = std::strcmp(mode, "fp32master") == 0;
+  const bool bf16_params = std::strstr(mode, "split") != nullptr || fp32_master;
   const bool block8 = std::strncmp(mode, "8bit", 4) == 0;
   const bool bf16_states = std::strcmp(mode, "bf16") == 0;
-  const MasterPrecision master = !bf16_params                       ? MasterPrecision::None
+  const MasterPrecision master = fp32_master                          ? MasterPrecision::Float32
+                                 : !bf16_params                       ? MasterPrecision::None
                                  : std::strstr(mode, "split8") != nullptr ? MasterPrecision::Split8
                                                                           : MasterPrecision::Split16;
   std::mt19937 rng(1);
@@ -66,7 +68,8 @@ int main(int argc, char** argv) {
     grad16[300].bits = 0x7f80;
     grad16[1000].bits = 0xff80;
   }
-  void* master_ptr = master == MasterPrecision::Split8    ? static_cast<void*>(low8.data())
+  void* master_ptr = master == MasterPrecision::Float32   ? static_cast<void*>(param.data())
+                     : master == MasterPrecision::Split8  ? static_cast<void*>(low8.data())
                      : master == MasterPrecision::Split16 ? static_cast<void*>(low16.data())
                                                           : nullptr;
   void* param_ptr = bf16_params ? static_cast<void*>(param16.data()) : static_cast<void*>(param.data());

@@ -155,10 +155,19 @@ static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAd
   alignas(64) float g[n];
   alignas(64) float m[n];
   alignas(64) float v[n];
-  MasterLanes<kMaster, n> lanes(t.master, block, block + n);  // see master_lanes.h
+  // bf16 parameters with a master and bf16 gradients: 16 at a time (MasterVectors, master_lanes.h);
+  // other parameters through the scalar MasterWeight (a split8 master widened by MasterLanes).
+  constexpr bool kMasterVectors = MasterVectors<P, kMaster>::kOn && std::is_same<G, bfloat16_t>::value;
+  MasterLanes<kMasterVectors ? MasterPrecision::None : kMaster, n> lanes(t.master, block, block + n);
   using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
-  void* block_master = lanes.lanes();
-  if constexpr (!kFloatParams) {
+  void* block_master = kMasterVectors ? master_at<kMaster>(t.master, block) : lanes.lanes();
+  uint16_t* const param_bits = reinterpret_cast<uint16_t*>(param);
+  if constexpr (kMasterVectors) {
+    for (int64_t i = 0; i < n; i += 16) {
+      _mm512_store_ps(p + i, as_m512(MasterVectors<P, kMaster>::load(block_master, param_bits, i)));
+      _mm512_store_ps(g + i, as_m512(bits_float(load_u16_lanes(reinterpret_cast<const uint16_t*>(grad) + i) << 16)));
+    }
+  } else if constexpr (!kFloatParams) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       p[i] = Master::load(block_master, param, i);
@@ -185,7 +194,12 @@ static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAd
     m_most = _mm512_max_epu32(m_most, _mm512_and_si512(_mm512_castps_si512(as_m512(m16)), _mm512_set1_epi32(0x7fffffff)));
     v_most = _mm512_max_epu32(v_most, _mm512_castps_si512(as_m512(v16)));
   }
-  if constexpr (!kFloatParams) {
+  if constexpr (kMasterVectors) {
+    const uint32_t salt = split8_salt(*t.step);
+    for (int64_t i = 0; i < n; i += 16) {
+      MasterVectors<P, kMaster>::store(block_master, param_bits, i, as_lanes(_mm512_load_ps(p + i)), salt);
+    }
+  } else if constexpr (!kFloatParams) {
     const uint32_t salt = split8_salt(*t.step);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) Master::store(block_master, param, i, p[i], salt);

@@ -12,6 +12,7 @@
 namespace fusedoff {
 
 using Float16Lanes = float __attribute__((vector_size(64)));
+using Uint16Lanes = uint32_t __attribute__((vector_size(64)));  // 16 lanes of 32-bit bits (master.h's U)
 
 template <>
 struct LaneMath<Float16Lanes> {
@@ -25,6 +26,23 @@ struct LaneMath<Float16Lanes> {
 
 FUSEDOFF_AVX512_INLINE Float16Lanes as_lanes(__m512 x) { return reinterpret_cast<Float16Lanes>(x); }
 FUSEDOFF_AVX512_INLINE __m512 as_m512(Float16Lanes x) { return reinterpret_cast<__m512>(x); }
+FUSEDOFF_AVX512_INLINE Uint16Lanes float_bits(Float16Lanes x) { return reinterpret_cast<Uint16Lanes>(x); }
+FUSEDOFF_AVX512_INLINE Float16Lanes bits_float(Uint16Lanes x) { return reinterpret_cast<Float16Lanes>(x); }
+
+// 16 consecutive uint16 (uint8) values, zero-extended into the lanes, and the lanes' low 16 (8) bits
+// stored back.
+FUSEDOFF_AVX512_INLINE Uint16Lanes load_u16_lanes(const uint16_t* data) {
+  return reinterpret_cast<Uint16Lanes>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data))));
+}
+FUSEDOFF_AVX512_INLINE Uint16Lanes load_u8_lanes(const uint8_t* data) {
+  return reinterpret_cast<Uint16Lanes>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data))));
+}
+FUSEDOFF_AVX512_INLINE void store_u16_lanes(uint16_t* data, Uint16Lanes x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(data), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(x)));
+}
+FUSEDOFF_AVX512_INLINE void store_u8_lanes(uint8_t* data, Uint16Lanes x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(data), _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(x)));
+}
 
 }  // namespace fusedoff
 

@@ -1,4 +1,5 @@
-// A master weight as the host kernels' vector loops see it.
+// A master weight as the host kernels' vector loops see it: MasterLanes for the loops GCC vectorises,
+// MasterVectors for the AVX-512 forms written on 16-lane vectors (below).
 //
 // NOTE: a split8 master's bytes read and written inside a `#pragma omp simd` loop made GCC vectorise
 // the whole loop at 16 lanes of 128-bit vectors (the fp32 math in xmm registers, the widest type
@@ -10,8 +11,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "fusedoff/master.h"
+#include "float_lanes.h"
 
 namespace fusedoff {
 
@@ -45,5 +48,35 @@ class MasterLanes {
   int64_t n_;
   alignas(64) Lane wide_[M == MasterPrecision::Split8 ? kMaxElements : 1];  // aligned: no scalar peel before the loop
 };
+
+#if defined(FUSEDOFF_AVX512_LANES)
+// The masters of 16 bf16 parameters at once, in the AVX-512 variants: master.h's functions on
+// Uint16Lanes (the same source as every backend's scalar form). `kOn<P, M>`: whether it applies.
+template <typename P, MasterPrecision M>
+struct MasterVectors {
+  static constexpr bool kOn = std::is_same<P, bfloat16_t>::value && M != MasterPrecision::None;
+
+  // The masters of elements i..i+15.
+  static FUSEDOFF_AVX512_INLINE Float16Lanes load(const void* master, const uint16_t* param_bits, int64_t i) {
+    if constexpr (M == MasterPrecision::Float32) return as_lanes(_mm512_loadu_ps(static_cast<const float*>(master) + i));
+    const Uint16Lanes params = load_u16_lanes(param_bits + i);
+    if constexpr (M == MasterPrecision::Split16) {
+      return bits_float(join_master_lanes(params, load_u16_lanes(static_cast<const uint16_t*>(master) + i)));
+    }
+    return bits_float(join_master_lanes(params, load_u8_lanes(static_cast<const uint8_t*>(master) + i) << 8));
+  }
+
+  // Writes masters `value` of elements i..i+15 and their parameters.
+  static FUSEDOFF_AVX512_INLINE void store(void* master, uint16_t* param_bits, int64_t i, Float16Lanes value,
+                                           uint32_t salt) {
+    Uint16Lanes bits = float_bits(value);
+    if constexpr (M == MasterPrecision::Split8) bits = round_master_split8_lanes(bits, salt);
+    store_u16_lanes(param_bits + i, master_to_bf16_lanes(bits));
+    if constexpr (M == MasterPrecision::Float32) _mm512_storeu_ps(static_cast<float*>(master) + i, as_m512(value));
+    if constexpr (M == MasterPrecision::Split16) store_u16_lanes(static_cast<uint16_t*>(master) + i, bits);
+    if constexpr (M == MasterPrecision::Split8) store_u8_lanes(static_cast<uint8_t*>(master) + i, bits >> 8);
+  }
+};
+#endif  // FUSEDOFF_AVX512_LANES
 
 }  // namespace fusedoff

@@ -1,11 +1,15 @@
-// The proof behind [note: split master weights] (master.h), run over every fp32 bit pattern: the
-// split master gives back every master, and the split8 one its stochastic rounding, bit for bit.
+// The proofs behind [note: split master weights] (master.h), run over every fp32 bit pattern: the
+// split master gives back every master, and the split8 one its stochastic rounding, bit for bit; and
+// the host kernels' 16-lane form of them (MasterVectors, master_lanes.h) gives the scalar form's bits.
+#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inlined helpers, see adam_cpu.cpp
 #include <omp.h>
 
 #include <cstdint>
 
 #include "fusedoff/launchers.h"
 #include "fusedoff/master.h"
+#include "isa.h"
+#include "master_lanes.h"
 
 namespace fusedoff {
 
@@ -33,7 +37,12 @@ SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_th
       const uint32_t r = float_to_bits(rounded);
       const uint16_t param8 = master_to_bf16_bits(rounded);
       const uint32_t joined8 = float_to_bits(join_master(param8, static_cast<uint16_t>(r & 0xff00u)));
-      split8_failures += joined8 != r || (r & 0xffu) != 0;
+      // ... and it is the note's rounding, written plainly: up by the random byte, but down where a
+      // finite master would reach the exponent of inf (master.h computes it without a select of selects).
+      const uint32_t up = (u + (mix32(u ^ split8_salt_value) & 0xffu)) & 0xffffff00u;
+      const bool overflowed = (u & 0x7f800000u) != 0x7f800000u && (up & 0x7f800000u) == 0x7f800000u;
+      const uint32_t stated = nan ? (u | 0x00400000u) & 0xffffff00u : overflowed ? u & 0xffffff00u : up;
+      split8_failures += joined8 != r || (r & 0xffu) != 0 || r != stated;
       if (nan) {
         split8_outside_bound += (r & 0x7fffffffu) <= 0x7f800000u;
       } else {
@@ -45,6 +54,67 @@ SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_th
     }
   }
   return {split_failures, split8_failures, split8_outside_bound, roundings_off};
+}
+
+#if defined(FUSEDOFF_AVX512_LANES)
+namespace {
+
+// The 2^16 masters whose bits have the upper half `high`, through MasterVectors (split and split8:
+// store, then load back) and through the scalar MasterWeight: adds the elements whose bits differ.
+FUSEDOFF_TARGET_AVX512 void compare_lanes_upper_half(uint32_t high, uint32_t salt, int64_t& split_off, int64_t& split8_off) {
+  constexpr int64_t n = 1 << 16;
+  alignas(64) static thread_local float masters[n];
+  alignas(64) static thread_local uint16_t params[n], lows[n], params8[n];
+  alignas(64) static thread_local uint8_t lows8[n];
+  for (int64_t i = 0; i < n; ++i) masters[i] = bits_to_float((high << 16) | static_cast<uint32_t>(i));
+  using Split = MasterVectors<bfloat16_t, MasterPrecision::Split16>;
+  using Split8 = MasterVectors<bfloat16_t, MasterPrecision::Split8>;
+  for (int64_t i = 0; i < n; i += 16) {
+    const Float16Lanes m = as_lanes(_mm512_load_ps(masters + i));
+    Split::store(lows, params, i, m, salt);
+    Split8::store(lows8, params8, i, m, salt);
+  }
+  for (int64_t i = 0; i < n; i += 16) {
+    alignas(64) float joined[16], joined8[16];
+    _mm512_store_ps(joined, as_m512(Split::load(lows, params, i)));
+    _mm512_store_ps(joined8, as_m512(Split8::load(lows8, params8, i)));
+    for (int64_t j = 0; j < 16; ++j) {
+      const float master = masters[i + j];
+      bfloat16_t param, param8;
+      uint16_t low;
+      uint8_t low8;
+      MasterWeight<MasterPrecision::Split16, bfloat16_t>::store(&low, &param, 0, master, salt);
+      MasterWeight<MasterPrecision::Split8, bfloat16_t>::store(&low8, &param8, 0, master, salt);
+      const float scalar_joined = MasterWeight<MasterPrecision::Split16, bfloat16_t>::load(&low, &param, 0);
+      const float scalar_joined8 = MasterWeight<MasterPrecision::Split8, bfloat16_t>::load(&low8, &param8, 0);
+      split_off += params[i + j] != param.bits || lows[i + j] != low ||
+                   float_to_bits(joined[j]) != float_to_bits(scalar_joined);
+      split8_off += params8[i + j] != param8.bits || lows8[i + j] != low8 ||
+                    float_to_bits(joined8[j]) != float_to_bits(scalar_joined8);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+SplitMasterLanesSelftest split_master_lanes_selftest(uint32_t split8_salt_value, int num_threads) {
+  SplitMasterLanesSelftest r{};
+#if defined(FUSEDOFF_AVX512_LANES)
+  if (current_isa() != Isa::Avx512) return r;
+  r.checked = true;
+  int64_t split_off = 0, split8_off = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : split_off, split8_off)
+  for (int64_t high = 0; high < 65536; ++high) {
+    compare_lanes_upper_half(static_cast<uint32_t>(high), split8_salt_value, split_off, split8_off);
+  }
+  r.split_off = split_off;
+  r.split8_off = split8_off;
+#else
+  (void)split8_salt_value;
+  (void)num_threads;
+#endif
+  return r;
 }
 
 }  // namespace fusedoff

@@ -15,8 +15,8 @@ void adam_compressed_step_cpu(const CompressedAdamLaunch& launch);
 void apollo_step_cpu(const ApolloLaunch& launch);
 
 // Counts of the fp32 bit patterns for which a claim of [note: split master weights] (master.h) fails:
-// the split master's round trip, the split8 one's, the split8 rounding's bound, and the parameter's
-// rounding (to nearest, ties away from zero). All zero is the proof; tests/test_split_master.py runs it.
+// the split master's round trip, the split8 one's (and its rounding, the note's), the split8 rounding's
+// bound, and the parameter's rounding (to nearest, ties away from zero). All zero is the proof; tests/test_split_master.py runs it.
 struct SplitMasterSelftest {
   int64_t split_failures;
   int64_t split8_failures;
@@ -24,6 +24,16 @@ struct SplitMasterSelftest {
   int64_t roundings_off;
 };
 SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads);
+
+// Counts of the fp32 bit patterns for which the host kernels' 16-lane split and split8 masters
+// (cpu/master_lanes.h: parameter and low bits stored, master joined back) differ from master.h's
+// scalar ones; `checked` is false where the CPU or compiler has no AVX-512 form (nothing to compare).
+struct SplitMasterLanesSelftest {
+  bool checked;
+  int64_t split_off;
+  int64_t split8_off;
+};
+SplitMasterLanesSelftest split_master_lanes_selftest(uint32_t split8_salt_value, int num_threads);
 
 // Counts of the values and codes on which the host kernels' AVX-512 codec (cpu/state_codec_avx512.h)
 // differs from state_codec.h's; `checked` is false where the CPU has no AVX-512 (nothing to compare).

@@ -44,20 +44,31 @@ namespace fusedoff {
 
 enum class MasterPrecision : int { None = 0, Float32 = 1, Split16 = 2, Split8 = 3 };
 
-// The bf16 parameter of master `value`: rounded to nearest, ties away from zero; NaN quieted.
+// The functions below are written on the bits, U = uint32_t, and as templates so that the host
+// kernels run the same source on 16 lanes at once (csrc/cpu/master_lanes.h: U a vector of uint32,
+// every operation lane-wise, a comparison's "true" all ones); every backend's scalar form is the
+// U = uint32_t one. The 16-bit values are held zero-extended in U.
+
+// The bf16 parameter of the master with bits `u`: rounded to nearest, ties away from zero; NaN quieted.
+template <typename U>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U master_to_bf16_lanes(U u) {
+  const U nan = (u >> 16) | 0x0040u;
+  const U rounded = (u + 0x8000u) >> 16;  // sign-magnitude: adding rounds the magnitude half up
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t master_to_bf16_bits(float value) {
-  const uint32_t u = float_to_bits(value);
-  const uint32_t nan = (u >> 16) | 0x0040u;
-  const uint32_t rounded = (u + 0x8000u) >> 16;  // sign-magnitude: adding rounds the magnitude half up
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  return static_cast<uint16_t>(master_to_bf16_lanes(float_to_bits(value)));
 }
 
-// The master whose rounding is the bf16 `param_bits` and whose low 16 bits are `low_bits`.
+// The bits of the master whose rounding is the bf16 `param_bits` and whose low 16 bits are `low_bits`.
+template <typename U>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U join_master_lanes(U param_bits, U low_bits) {
+  const U high = param_bits << 16;
+  const U offset = (low_bits ^ 0x8000u) - 0x8000u;  // the low half as a signed 16-bit offset, mod 2^32
+  return (param_bits & 0x7fffu) > 0x7f80u ? (high | low_bits) : high + offset;
+}
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float join_master(uint16_t param_bits, uint16_t low_bits) {
-  const uint32_t high = static_cast<uint32_t>(param_bits) << 16;
-  const uint32_t offset = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(low_bits)));
-  const bool nan = (param_bits & 0x7fffu) > 0x7f80u;
-  return bits_to_float(nan ? (high | low_bits) : high + offset);
+  return bits_to_float(join_master_lanes<uint32_t>(param_bits, low_bits));
 }
 
 // The key of one step's random bytes for "split8" (`step` the count after this step's increment).
@@ -65,17 +76,22 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t split8_salt(float step) {
   return rounding_step_key(0x5b1175a8u, static_cast<uint32_t>(step));
 }
 
-// `value` rounded stochastically to a multiple of 256 in its bit pattern (see the note).
+// The bits of master `u` rounded stochastically to a multiple of 256 in its bit pattern (see the note).
+template <typename U>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U round_master_split8_lanes(U u, uint32_t salt) {
+  const U magnitude = u & 0x7fffffffu;
+  const U random = mix32_lanes(u ^ salt) & 0xffu;
+  // A finite master whose rounding up would reach the exponent of inf (magnitude below inf's bits,
+  // magnitude + random at or above them: in 32-bit arithmetic, magnitude + random - inf < random)
+  // rounds down instead: it adds 0. (Not a select between the two roundings: GCC 12 turns a vector
+  // select whose operand is another select into scalar code.)
+  const U added = (magnitude + random - 0x7f800000u) < random ? U{} : random;
+  const U rounded = (u + added) & 0xffffff00u;
+  const U nan = (u | 0x00400000u) & 0xffffff00u;
+  return magnitude > 0x7f800000u ? nan : rounded;
+}
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float round_master_split8(float value, uint32_t salt) {
-  const uint32_t u = float_to_bits(value);
-  const uint32_t random = mix32(u ^ salt) & 0xffu;
-  const uint32_t up = (u + random) & 0xffffff00u;
-  const uint32_t down = u & 0xffffff00u;
-  const bool finite = (u & 0x7f800000u) != 0x7f800000u;
-  const bool overflowed = finite && (up & 0x7f800000u) == 0x7f800000u;
-  const uint32_t rounded = overflowed ? down : up;
-  const uint32_t nan = (u | 0x00400000u) & 0xffffff00u;
-  return bits_to_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  return bits_to_float(round_master_split8_lanes(float_to_bits(value), salt));
 }
 
 // The parameter of a master weight: bf16 as above; fp16 rounded to nearest even (fp16 is never split).

@@ -64,7 +64,9 @@ enum class StatePrecision : int { Float32 = 0, BFloat16 = 1, Block8 = 2 };
 // ---- the counter-based random stream ----------------------------------------------------------
 // A bijective 32-bit mixer (xor-shift / multiply, "lowbias32"): consecutive inputs give
 // uncorrelated outputs.
-FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t mix32(uint32_t x) {
+// (On U = uint32_t, or on a vector of them where the host kernels hash 16 lanes at once.)
+template <typename U>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U mix32_lanes(U x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
   x ^= x >> 15;
@@ -72,6 +74,7 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   return x;
 }
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t mix32(uint32_t x) { return mix32_lanes(x); }
 
 // The key of one tensor at one step (`step` the count after this step's increment).
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint32_t rounding_step_key(uint32_t tensor_key, uint32_t step) {
