@@ -2,14 +2,15 @@
 // for tuning a kernel (same hash = same bits) before benchmarks/bench_state_precision.py measures
 // it properly. Build and run from the repository root:
 //
-//   g++ -O3 -fopenmp -fno-math-errno -fno-trapping-math -ffp-contract=off -std=c++20 -fwrapv
+//   g++ -O3 -fopenmp -fno-math-errno -fno-trapping-math -ffp-contract=off -Wno-psabi -std=c++17 -fwrapv
 //       -Icsrc/include -Icsrc/cpu tools/host_kernel_timing.cpp csrc/cpu/adam_compressed_cpu.cpp
 //       csrc/cpu/adam_cpu.cpp csrc/cpu/isa.cpp -o /tmp/host_kernel_timing      (one line)
 //   /tmp/host_kernel_timing MODE NUMEL THREADS REPEATS
 //
 // MODE: fp32 | bf16 | 8bit (states, fp32 params) or fp32master | split | split8 | 8bit_split8 (bf16
-// params with that master, fp32 states unless 8bit; fp32master keeps its master in the fp32 array). Prints the best time after two warm-up calls, in ns per
-// parameter and core. NONFINITE=1 puts a NaN, an inf and a -inf into the gradient.
+// params with that master, fp32 states unless 8bit; fp32master keeps its master in the fp32 array).
+// Prints the best time after two warm-up calls, in ns per parameter and core. NONFINITE=1 puts a
+// NaN, an inf and a -inf into the gradient.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

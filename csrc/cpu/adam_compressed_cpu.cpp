@@ -3,10 +3,6 @@
 // cores over blocks of kBlockElements (a multiple of kQuantBlock, so no 8-bit block is split
 // between threads) and SIMD within a core, instruction set picked at run time (isa.h); the 8-bit
 // blocks have an AVX-512 form of their own (update_whole_block8_avx512).
-//
-// adam.h's update runs there on 16-lane vectors (float_lanes.h), and GCC warns that a function
-// returning one without AVX-512 has another ABI; every such call is inlined into the AVX-512 code.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <omp.h>
 
@@ -137,8 +133,8 @@ static FUSEDOFF_AVX512_INLINE void encode_block8_avx512(const float* m, const fl
 // mask juggling); here one pass decodes 16 codes of each moment (state_codec_avx512.h), runs adam.h's
 // update on the 16 lanes (float_lanes.h) and keeps the largest magnitudes, so that the divisions and
 // the square root overlap the codec's integer work; a second pass encodes. Parameters other than
-// fp32 without a master are read and written by the scalar code (MasterWeight) in passes of their
-// own around it. The block's decode factors are folded into the map's steps, which is exact unless a
+// fp32 without a master are read and written in passes of their own around it: bf16 ones with a
+// master and bf16 gradients 16 at a time (MasterVectors), the others by the scalar MasterWeight. The block's decode factors are folded into the map's steps, which is exact unless a
 // moment's scale is below about 2^-93 (then the caller takes update_block8; see decodes_folded).
 static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAdamTensorPtrs& t, int64_t block,
                                                               float scale, const AdamScalars& s) {

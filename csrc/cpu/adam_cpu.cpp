@@ -1,10 +1,5 @@
 // Host Adam/AdamW kernel: the math of fusedoff/adam.h over flat ranges, OpenMP across cores and
 // SIMD within a core (instruction set picked at run time, see isa.h).
-//
-// The AVX-512 form for bf16 parameters with a master runs adam.h's update on 16-lane vectors
-// (float_lanes.h), and GCC warns that a function returning one without AVX-512 has another ABI;
-// every such call is inlined into the AVX-512 code.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <omp.h>
 

@@ -1,10 +1,10 @@
 // The proofs behind [note: split master weights] (master.h), run over every fp32 bit pattern: the
 // split master gives back every master, and the split8 one its stochastic rounding, bit for bit; and
 // the host kernels' 16-lane form of them (MasterVectors, master_lanes.h) gives the scalar form's bits.
-#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inlined helpers, see adam_cpu.cpp
 #include <omp.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "fusedoff/launchers.h"
 #include "fusedoff/master.h"
@@ -61,11 +61,23 @@ namespace {
 
 // The 2^16 masters whose bits have the upper half `high`, through MasterVectors (split and split8:
 // store, then load back) and through the scalar MasterWeight: adds the elements whose bits differ.
-FUSEDOFF_TARGET_AVX512 void compare_lanes_upper_half(uint32_t high, uint32_t salt, int64_t& split_off, int64_t& split8_off) {
-  constexpr int64_t n = 1 << 16;
-  alignas(64) static thread_local float masters[n];
-  alignas(64) static thread_local uint16_t params[n], lows[n], params8[n];
-  alignas(64) static thread_local uint8_t lows8[n];
+constexpr int64_t kHalf = 1 << 16;
+struct UpperHalf {  // one thread's buffers (on the heap: 704 KiB)
+  alignas(64) float masters[kHalf];
+  alignas(64) uint16_t params[kHalf];
+  alignas(64) uint16_t lows[kHalf];
+  alignas(64) uint16_t params8[kHalf];
+  alignas(64) uint8_t lows8[kHalf];
+};
+
+FUSEDOFF_TARGET_AVX512 void compare_lanes_upper_half(uint32_t high, uint32_t salt, UpperHalf& buffers,
+                                                     int64_t& split_off, int64_t& split8_off) {
+  constexpr int64_t n = kHalf;
+  float* const masters = buffers.masters;
+  uint16_t* const params = buffers.params;
+  uint16_t* const lows = buffers.lows;
+  uint16_t* const params8 = buffers.params8;
+  uint8_t* const lows8 = buffers.lows8;
   for (int64_t i = 0; i < n; ++i) masters[i] = bits_to_float((high << 16) | static_cast<uint32_t>(i));
   using Split = MasterVectors<bfloat16_t, MasterPrecision::Split16>;
   using Split8 = MasterVectors<bfloat16_t, MasterPrecision::Split8>;
@@ -104,9 +116,13 @@ SplitMasterLanesSelftest split_master_lanes_selftest(uint32_t split8_salt_value,
   if (current_isa() != Isa::Avx512) return r;
   r.checked = true;
   int64_t split_off = 0, split8_off = 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : split_off, split8_off)
-  for (int64_t high = 0; high < 65536; ++high) {
-    compare_lanes_upper_half(static_cast<uint32_t>(high), split8_salt_value, split_off, split8_off);
+#pragma omp parallel num_threads(num_threads) reduction(+ : split_off, split8_off)
+  {
+    const std::unique_ptr<UpperHalf> buffers(new UpperHalf);
+#pragma omp for schedule(static)
+    for (int64_t high = 0; high < 65536; ++high) {
+      compare_lanes_upper_half(static_cast<uint32_t>(high), split8_salt_value, *buffers, split_off, split8_off);
+    }
   }
   r.split_off = split_off;
   r.split8_off = split8_off;
