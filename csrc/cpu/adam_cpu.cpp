@@ -41,6 +41,21 @@ FUSEDOFF_INLINE void prefetch_lines(const T* data, int64_t begin, int64_t end) {
 // pointer it reloaded and re-broadcast all ten in every iteration (a float store may alias them).
 template <typename P, typename G, bool kAmsgrad, MasterPrecision kMaster, bool kScaled>
 struct AdamRange {
+// Prefetches every stream of `t` kPrefetchDistance elements beyond [chunk, chunk_end).
+static FUSEDOFF_INLINE void prefetch_ahead(const AdamTensorPtrs& t, int64_t chunk, int64_t chunk_end) {
+  const int64_t ahead = chunk + kPrefetchDistance;
+  const int64_t ahead_end = std::min(t.numel, chunk_end + kPrefetchDistance);
+  if (ahead >= ahead_end) return;
+  prefetch_lines<1>(t.exp_avg, ahead, ahead_end);
+  prefetch_lines<1>(t.exp_avg_sq, ahead, ahead_end);
+  if (kAmsgrad) prefetch_lines<1>(t.max_exp_avg_sq, ahead, ahead_end);
+  if (kMaster != MasterPrecision::None) {
+    prefetch_lines<1>(static_cast<const master_storage_t<kMaster>*>(t.master), ahead, ahead_end);
+  }
+  prefetch_lines<1>(static_cast<const P*>(t.param), ahead, ahead_end);
+  prefetch_lines<0>(static_cast<const G*>(t.grad), ahead, ahead_end);
+}
+
 static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int64_t end, float grad_scale,
                                 const AdamScalars* scalars) {
   const AdamTensorPtrs& t = *tensor;
@@ -57,18 +72,7 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
   constexpr int64_t kChunk = kMaster == MasterPrecision::Split8 ? 2 * kPrefetchChunk : kPrefetchChunk;
   for (int64_t chunk = begin; chunk < end; chunk += kChunk) {
     const int64_t chunk_end = std::min(end, chunk + kChunk);
-    const int64_t ahead = chunk + kPrefetchDistance;
-    const int64_t ahead_end = std::min(t.numel, chunk_end + kPrefetchDistance);
-    if (ahead < ahead_end) {
-      prefetch_lines<1>(exp_avg, ahead, ahead_end);
-      prefetch_lines<1>(exp_avg_sq, ahead, ahead_end);
-      if (kAmsgrad) prefetch_lines<1>(max_exp_avg_sq, ahead, ahead_end);
-      if (kMaster == MasterPrecision::Float32) prefetch_lines<1>(static_cast<float*>(master), ahead, ahead_end);
-      if (kMaster == MasterPrecision::Split16) prefetch_lines<1>(static_cast<uint16_t*>(master), ahead, ahead_end);
-      if (kMaster == MasterPrecision::Split8) prefetch_lines<1>(static_cast<uint8_t*>(master), ahead, ahead_end);
-      prefetch_lines<1>(param, ahead, ahead_end);
-      prefetch_lines<0>(grad, ahead, ahead_end);
-    }
+    prefetch_ahead(t, chunk, chunk_end);
     MasterLanes<kMaster, kChunk> lanes(master, chunk, chunk_end);
     using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
     void* chunk_master = lanes.lanes();
@@ -141,15 +145,7 @@ static FUSEDOFF_AVX512_INLINE void run_avx512(const AdamTensorPtrs* tensor, int6
     constexpr int64_t kChunk = kSplit8 ? 4 * kPrefetchChunk : kPrefetchChunk;
     for (int64_t chunk = begin; chunk < whole; chunk += kChunk) {
       const int64_t chunk_end = std::min(whole, chunk + kChunk);
-      const int64_t ahead = chunk + kPrefetchDistance;
-      const int64_t ahead_end = std::min(t.numel, chunk_end + kPrefetchDistance);
-      if (ahead < ahead_end) {
-        prefetch_lines<1>(exp_avg, ahead, ahead_end);
-        prefetch_lines<1>(exp_avg_sq, ahead, ahead_end);
-        prefetch_lines<1>(static_cast<master_storage_t<kMaster>*>(master), ahead, ahead_end);
-        prefetch_lines<1>(param_bits, ahead, ahead_end);
-        prefetch_lines<0>(grad, ahead, ahead_end);
-      }
+      prefetch_ahead(t, chunk, chunk_end);
       alignas(64) float updated[kSplit8 ? kChunk : 1];
       for (int64_t i = chunk; i < chunk_end; i += 16) {
         Float16Lanes p = MasterVectors<P, kMaster>::load(master, param_bits, i);
