@@ -161,7 +161,7 @@ static FUSEDOFF_AVX512_INLINE void update_whole_block8_avx512(const CompressedAd
   if constexpr (kMasterVectors) {
     for (int64_t i = 0; i < n; i += 16) {
       _mm512_store_ps(p + i, as_m512(MasterVectors<P, kMaster>::load(block_master, param_bits, i)));
-      _mm512_store_ps(g + i, as_m512(bits_float(load_u16_lanes(reinterpret_cast<const uint16_t*>(grad) + i) << 16)));
+      _mm512_store_ps(g + i, as_m512(load_float_lanes(grad + i)));
     }
   } else if constexpr (!kFloatParams) {
 #pragma omp simd

@@ -1,6 +1,5 @@
 // Host Adam/AdamW kernel: the math of fusedoff/adam.h over flat ranges, OpenMP across cores and
 // SIMD within a core (instruction set picked at run time, see isa.h).
-
 #include <omp.h>
 
 #include <algorithm>
@@ -149,12 +148,7 @@ static FUSEDOFF_AVX512_INLINE void run_avx512(const AdamTensorPtrs* tensor, int6
       alignas(64) float updated[kSplit8 ? kChunk : 1];
       for (int64_t i = chunk; i < chunk_end; i += 16) {
         Float16Lanes p = MasterVectors<P, kMaster>::load(master, param_bits, i);
-        Float16Lanes g;
-        if constexpr (std::is_same<G, float>::value) {
-          g = as_lanes(_mm512_loadu_ps(reinterpret_cast<const float*>(grad) + i));
-        } else {
-          g = bits_float(load_u16_lanes(reinterpret_cast<const uint16_t*>(grad) + i) << 16);  // bf16: the upper half
-        }
+        const Float16Lanes g = load_float_lanes(grad + i);
         Float16Lanes m = as_lanes(_mm512_loadu_ps(exp_avg + i));
         Float16Lanes v = as_lanes(_mm512_loadu_ps(exp_avg_sq + i));
         Float16Lanes unused = p;

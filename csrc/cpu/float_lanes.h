@@ -3,6 +3,8 @@
 // into FMAs stays off, -ffp-contract=off), and LaneMath gives the square root.
 #pragma once
 
+#include <type_traits>
+
 #include "fusedoff/adam.h"
 #include "isa.h"
 #include "state_codec_avx512.h"  // immintrin.h
@@ -36,6 +38,13 @@ FUSEDOFF_AVX512_INLINE Uint16Lanes load_u16_lanes(const uint16_t* data) {
 }
 FUSEDOFF_AVX512_INLINE Uint16Lanes load_u8_lanes(const uint8_t* data) {
   return reinterpret_cast<Uint16Lanes>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data))));
+}
+// 16 consecutive values of storage type T (float, or bf16: the upper half of an fp32) as fp32 lanes.
+template <typename T>
+FUSEDOFF_AVX512_INLINE Float16Lanes load_float_lanes(const T* data) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bfloat16_t>::value, "float or bf16 storage");
+  if constexpr (std::is_same<T, float>::value) return as_lanes(_mm512_loadu_ps(data));
+  return bits_float(load_u16_lanes(reinterpret_cast<const uint16_t*>(data)) << 16);
 }
 FUSEDOFF_AVX512_INLINE void store_u16_lanes(uint16_t* data, Uint16Lanes x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(data), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(x)));
