@@ -275,7 +275,7 @@ def test_a_streamed_step_under_graph_capture_is_refused_before_anything_changes(
         with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
             opt.step()
         assert all(torch.equal(p, b) for p, b in zip(params, before))
-        assert all(float(opt.state[p]["step"]) == 0 for p in params)
+        assert len(opt.state) == 0  # not even the fresh states the refused step had made
         # Every state resident: nothing streams, and the step may be captured.
         resident = fusedoff.AdamW(params, offload="stream", chunk_size=32, device_budget=10**6)
         resident.step()

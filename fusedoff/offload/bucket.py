@@ -41,6 +41,7 @@ written back (a checkpoint, an EMA swap) keep it exact.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,20 +166,21 @@ class Bucket:
             flat = self._flat_params[t] = flat_view(local_tensor(self.params[t].detach()))
         return flat
 
-    def increment_steps(self, stepping: list[int], found_inf: Tensor | None) -> None:
-        """Adds one to the step counts of `stepping`, or nothing where ``found_inf`` is non-zero (any
-        non-zero flag skips, NaN too, as in the kernels: see ops.increment_steps_), without a host sync."""
+    def step_increment(self, stepping: list[int], found_inf: Tensor | None) -> Callable[[], None]:
+        """What adds one to the step counts of `stepping`, or nothing where ``found_inf`` is non-zero
+        (any non-zero flag skips, NaN too, as in the kernels: see ops.increment_steps_), without a
+        host sync: made now (its allocations), applied by calling it."""
         counts = self.step_counts
         stepped = 1.0 if found_inf is None else (found_inf.reshape(()).to(counts.device) == 0).to(counts.dtype)
         if len(stepping) == len(counts):
-            counts.add_(stepped)
-            return
+            return functools.partial(counts.add_, stepped)
         key = tuple(stepping)
         index = self._step_indices.get(key)
         if index is None:
             self._step_indices.clear()
             index = self._step_indices[key] = torch.tensor(stepping, dtype=torch.long, device=counts.device)
-        counts.index_add_(0, index, torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped)
+        ones = torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped
+        return functools.partial(counts.index_add_, 0, index, ones)
 
     def remember_param(self, t: int) -> None:
         self.watched[t] = _param_mark(self.params[t])
@@ -206,12 +208,13 @@ class Bucket:
             master.copy_(on_host)
 
     # ---- opt.state -----------------------------------------------------------------------------------
-    def adopt_states(self, stepping: list[int], state: dict) -> list[Tensor]:
+    def adopt_states(self, stepping: list[int], state: dict, created: list[Tensor]) -> list[Tensor]:
         """``opt.state[params[t]]`` of each stepping tensor (read without waiting for the host: inside
         the step) made to hold this bucket's tensors, and master weights of parameters written since
         the bucket last saw them taken from the parameters (see [note: master weights follow the
         parameters]); returns their step counts. A new or reset state (``del opt.state[p]``) starts
-        afresh, every state with it, as in torch."""
+        afresh, every state with it, as in torch. The parameters whose ``opt.state`` entry this made
+        are added to `created` (a step that fails before its changes takes them back)."""
         params, placed, watched, follows = self.params, tuple(self.placed.items()), self.watched, self.follows
         views = self._step_views
         steps = []
@@ -221,6 +224,7 @@ class Bucket:
             if values is None:
                 values = {}
                 dict.__setitem__(state, param, values)
+                created.append(param)
             step, view = values.get("step"), views[t]
             if step is not view or view is None:
                 if view is None:

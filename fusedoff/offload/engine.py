@@ -23,6 +23,7 @@ with HostStateStore's `view`/`chunk` and a `Runtime` that copies to and from it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chun
 from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
+from fusedoff.offload.transaction import StepIncompleteError, incomplete_message, interrupts_held
 from fusedoff.sharding import block_lead, is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
 
@@ -87,6 +89,9 @@ class OffloadEngine:
         self._host_pending = False
         self.forward_order: dict[int, int] | None = None  # see overlap()
         self._waits: dict = {}  # wait_for's chunks per parameter set
+        # Why a step that failed among its changes left the optimizer inconsistent (None: it is not).
+        self.incomplete: str | None = None
+        self.steps_taken = 0  # whole steps, counted as each one's changes are done
 
     def config(self, **changes) -> dict:
         """The arguments that make an engine configured as this one (with `changes`); a copy of an
@@ -256,6 +261,8 @@ class OffloadEngine:
         state, step count or parameter changes."""
         if self.forward_order is not None:  # the previous step's chunks: done before this one counts steps
             self.join()
+        if self.incomplete is not None:
+            raise StepIncompleteError(self.incomplete)
         link_before = self.link_total
         self._link_last_step, self._streamed_last_step = LinkBytes(), 0
         self._forget_groups_from(len(groups))
@@ -280,6 +287,48 @@ class OffloadEngine:
                 grads = checked_flat_grads(members, raw, stepping, sharded)
                 work.append((group, key, members, stepping, grads))
         self._decide_budgets(groups, rules, {key[1] for _, key, _, _, _ in work})
+        # Everything that can fail without changing a value, first (see [note: the step as a
+        # transaction]): placement, adoption, the fused calls, the buffers, every allocation.
+        created = []  # parameters whose opt.state this step made: taken back if it fails here
+        try:
+            runs, increments = self._prepare_step(work, state, rules, scaling, created)
+        except BaseException:
+            for param in created:
+                dict.pop(state, param, None)
+            raise
+        with interrupts_held():
+            try:
+                for increment in increments:
+                    increment()
+                if self.forward_order is None:
+                    for run in runs:
+                        self._run(run, overlapped=False)
+                else:
+                    self._run_in_forward_order(runs)
+            except BaseException as error:
+                self.incomplete = incomplete_message(error)
+                self._settle_after(error)
+                raise StepIncompleteError(self.incomplete) from error
+            self.steps_taken += 1  # (before a held interrupt is raised: the step is whole)
+            for run in runs:
+                run.bucket.remember_params(run.stepping)
+            self._link_last_step = self.link_total - link_before
+            self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
+
+    def _settle_after(self, error: BaseException) -> None:
+        """After a failure among a step's changes: waits for whatever the pipelines had queued, so
+        that the host may write its states (a checkpoint loaded) without racing a queued copy; a
+        device that fails again now is not reported over `error`."""
+        for pipeline in self.pipelines.values():
+            try:
+                pipeline.settle()
+            except Exception as again:  # noqa: PERF203 (once, on a failure path)
+                error.add_note(f"fusedoff: waiting for the queued copies after it failed too: {again!r}")
+
+    def _prepare_step(self, work: list, state: dict, rules: OptimizerRules, scaling, created: list) -> tuple[list, list]:
+        """The runs of a step (`_Run`s) and its step counts' increments, made without changing any
+        value: buckets placed, ``opt.state`` adopted (new tensors' fresh states, their parameters
+        listed in `created`), statistics and buffers allocated."""
         placed = []
         for group, key, members, stepping, grads in work:
             bucket = self.buckets.get(key)
@@ -289,24 +338,32 @@ class OffloadEngine:
             divisor, found_inf = scaling(bucket.device)
             update = rules._fused_update(group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
             placed.append((bucket, update, stepping, grads, found_inf))
-        # Nothing has changed up to here but placements (which keep every value) and checked views;
-        # adoption only gives new tensors their fresh states.
-        steps_of = [bucket.adopt_states(stepping, state) for bucket, _, stepping, _, _ in placed]
+        steps_of = [bucket.adopt_states(stepping, state, created) for bucket, _, stepping, _, _ in placed]
         for bucket, _, stepping, _, _ in placed:
             _check_capturable(bucket, stepping)
-        runs = []
-        for (bucket, update, stepping, grads, found_inf), steps in zip(placed, steps_of):
-            bucket.increment_steps(stepping, found_inf)
-            runs.append(self._prepare(bucket, update, stepping, grads, steps))
-        if self.forward_order is None:
-            for run in runs:
-                self._run(run, overlapped=False)
-        else:
-            self._run_in_forward_order(runs)
+        runs = [self._prepare(bucket, update, stepping, grads, steps)
+                for (bucket, update, stepping, grads, _), steps in zip(placed, steps_of)]
+        increments = [bucket.step_increment(stepping, found_inf) for bucket, _, stepping, _, found_inf in placed]
+        self._reserve_buffers(runs)
+        return runs, increments
+
+    def _reserve_buffers(self, runs: list["_Run"]) -> None:
+        """Grows each device's streaming buffers to what this step's passes need, before it changes anything."""
+        needed: dict[int, tuple[StreamPipeline, int]] = {}
         for run in runs:
-            run.bucket.remember_params(run.stepping)
-        self._link_last_step = self.link_total - link_before
-        self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
+            if not run.chunks:
+                continue
+            bucket = run.bucket
+            passes = [run.update.reads] if run.whole_pass else []
+            if run.spanning:
+                passes += [phase.reads + phase.writes for phase in run.update.phases]
+            for names in passes:
+                specs = [bucket.store.specs[name] for name in dict.fromkeys(names)]
+                set_bytes = buffer_regions(specs, bucket.plan.chunk_size)[1]
+                pipeline = bucket.pipeline
+                needed[id(pipeline)] = (pipeline, max(set_bytes, needed.get(id(pipeline), (None, 0))[1]))
+        for pipeline, set_bytes in needed.values():
+            pipeline.reserve(set_bytes)
 
     # ---- overlap with the next forward -------------------------------------------------------------
     def overlap(self, forward_order: dict[int, int] | None) -> None:
@@ -414,7 +471,7 @@ class OffloadEngine:
             if run.spanning:
                 self._stream(run, (phase,), run.spanning)
             for args in run.resident_calls:  # on the current stream, beside the pipeline's work
-                update.call(phase, args)
+                bucket.runtime.launch(bucket.runtime.current_stream(), functools.partial(update.call, phase, args))
             if k < last:  # the next phase reads what this one accumulated over whole tensors
                 if run.chunks:
                     bucket.pipeline.join()

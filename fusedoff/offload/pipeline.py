@@ -63,6 +63,7 @@ class StreamPipeline:
         # memory is not reused under a side stream's queued work, whatever the runtime).
         self._retired: list[Tensor] = []
         self.generation = 0  # counts the times the buffer sets were replaced (views of them go stale)
+        self._unwaited = False  # buffers allocated that the copy-in stream has not yet waited for
         self._free: list[object | None] = [None] * num_buffers  # copy-out done with each buffer set
         # The last copy back into each store (by id): a pass waits for its own store's writes only,
         # so buckets sharing this pipeline overlap one another.
@@ -88,8 +89,7 @@ class StreamPipeline:
         main = rt.current_stream()
         rt.wait_stream(self.compute, main)  # grads, params, steps and stats are produced on main
         regions, set_bytes = buffer_regions([store.specs[name] for name in read], plan.chunk_size)
-        if self._ensure_bytes(set_bytes):  # new buffers come from main's pool: blocks main may still use
-            rt.wait_stream(self.copy_in, main)
+        self.reserve(set_bytes)
         rt.wait_event(self.copy_in, self._last_copy_out.get(id(store)))  # this store's previous pass
         done = {}
         for k, chunk in enumerate(chunks):
@@ -110,6 +110,20 @@ class StreamPipeline:
             self._free[slot] = rt.record(self.copy_out)
         self._last_copy_out[id(store)] = rt.record(self.copy_out)
         return done
+
+    def reserve(self, set_bytes: int) -> None:
+        """Grows every buffer set to `set_bytes` now, before a step changes anything (an allocation
+        is what fails, see [note: the step as a transaction]): its passes then allocate nothing."""
+        self._unwaited |= self._ensure_bytes(set_bytes)
+        if self._unwaited:  # new buffers come from main's pool: blocks main may still use
+            self.runtime.wait_stream(self.copy_in, self.runtime.current_stream())
+            self._unwaited = False  # (only once the wait is queued: a step that failed before it waits at its retry)
+
+    def settle(self) -> None:
+        """Blocks until every operation queued on the pipeline's streams has finished (after a
+        failure in the middle of a pass, whose last copy back `wait_host` does not know)."""
+        for stream in (self.copy_in, self.compute, self.copy_out):
+            self.runtime.synchronize(self.runtime.record(stream))
 
     def join(self) -> None:
         """The main stream waits for every computed chunk: the parameters (and the stats the

@@ -164,6 +164,13 @@ class SimulatedRuntime(Runtime):
         self._enqueue(stream, _Op(what, run=start), reads=[src], writes=[dst])
 
     def launch(self, stream: _Timeline, fn, *, reads=(), writes=()) -> None:
+        if not stream.side:  # the main stream's (or a user stream's) work runs at once, in program order
+            writes = list(writes)
+            write_ids = {id(t) for t in writes}
+            self.main_access([t for t in reads if id(t) not in write_ids], write=False, what=f"kernel on {stream.name}")
+            self.main_access(writes, write=True, what=f"kernel on {stream.name}")
+            fn()
+            return
         self._enqueue(stream, _Op(f"kernel on {stream.name}", run=fn), reads=reads, writes=writes)
 
     def empty(self, numel: int) -> Tensor:

@@ -47,20 +47,25 @@ class HostStateStore:
         self.pinned = pin is not None
         self.slabs: dict[str, list[Tensor]] = {}
         pinned = []
-        for name, spec in self.specs.items():
-            slabs = []
-            for size in plan.segment_sizes:
-                slab = torch.zeros(size // spec.block, dtype=spec.dtype) if pin is None else \
-                    _page_aligned_zeros(size // spec.block, spec.dtype)
-                if self.pinned and size:
-                    if pin(slab):
-                        pinned.append(slab)
-                    else:
-                        warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
-                                      "pageable memory (slower)", stacklevel=3)
-                        self.pinned = False
-                slabs.append(slab)
-            self.slabs[name] = slabs
+        try:
+            for name, spec in self.specs.items():
+                slabs = []
+                for size in plan.segment_sizes:
+                    slab = torch.zeros(size // spec.block, dtype=spec.dtype) if pin is None else \
+                        _page_aligned_zeros(size // spec.block, spec.dtype)
+                    if self.pinned and size:
+                        if pin(slab):
+                            pinned.append(slab)
+                        else:
+                            warnings.warn("fusedoff: could not pin host memory for optimizer states; streaming from "
+                                          "pageable memory (slower)", stacklevel=3)
+                            self.pinned = False
+                    slabs.append(slab)
+                self.slabs[name] = slabs
+        except BaseException:  # (an allocation or a pin that failed: the slabs locked so far are given back)
+            if pinned and unpin is not None:
+                unpin(pinned)
+            raise
         if pinned and unpin is not None:
             finalizer = weakref.finalize(self, unpin, pinned)
             finalizer.atexit = False  # the process is ending: nothing to give back, and CUDA may be gone

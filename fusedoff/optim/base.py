@@ -234,6 +234,7 @@ class FusedOptimizer(Optimizer):
         self._start_engine(config)
         self._engine._device_peak = peak
         self._engine.carry_link_counts(old.link_counts())
+        self._engine.incomplete = old.incomplete  # a new placement does not make a half step whole
         self._engine.overlap(forward_order)
         self._wrap_state()
 
@@ -323,6 +324,12 @@ class FusedOptimizer(Optimizer):
             inf = found_inf.to(device, torch.float32, non_blocking=True) if found_inf is not None else None
             return clipping.grad_divisor(grad_scale, clip, device), inf
 
-        self._engine.step(self.param_groups, self.state, self, scaling)
-        self._clip_coef = None  # a clip factor applies to the one step after clip_grad_norm_
+        taken = self._engine.steps_taken
+        try:
+            self._engine.step(self.param_groups, self.state, self, scaling)
+        finally:
+            # A clip factor applies to the one step after clip_grad_norm_: kept for the retry of a step
+            # that failed before changing anything, spent by a whole one (an interrupt may follow it).
+            if self._engine.steps_taken != taken:
+                self._clip_coef = None
         return loss
