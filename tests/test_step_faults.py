@@ -267,3 +267,25 @@ def test_an_interrupt_between_chunks_is_raised_after_the_whole_step(placement):
     with pytest.raises(KeyboardInterrupt):
         run.step(fault_at=copies[len(copies) // 2], kind="interrupt")
     assert same(run.snapshot(), clean.snapshot())
+
+
+def test_a_step_in_another_thread_holds_no_signal_and_equals_the_main_threads():
+    """Python delivers signals to the main thread only: a step in another thread (a data-loading
+    or trainer thread) installs no handler, which would raise there, and steps as in the main one."""
+    import threading
+
+    config = ("AdamW", torch.float32, "fp32", "fp32", "streamed")
+    main, other = Run(*config), Run(*config)
+    main.step()
+    errors = []
+    thread = threading.Thread(target=_record, args=(errors, other.step))
+    thread.start()
+    thread.join()
+    assert errors == [] and same(other.snapshot(), main.snapshot())
+
+
+def _record(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as error:  # (reported by the test in the main thread)
+        errors.append(error)
