@@ -481,6 +481,44 @@ void apollo_step_cuda_op(FUSEDOFF_APOLLO_ARGS) {
 }
 #endif
 
+#if defined(FUSEDOFF_WITH_HOST_KERNELS)
+// ---- the 8-bit codec on whole tensors (checkpoints) ------------------------------------------------
+void check_flat(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype, "fusedoff: ", what, " must be ", state_dtype_name(dtype), ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "fusedoff: ", what, " must be flat and contiguous, got shape ",
+              t.sizes(), " and strides ", t.strides());
+}
+
+int64_t quant_blocks(int64_t numel) { return (numel + kQuantBlock - 1) / kQuantBlock; }
+
+std::tuple<at::Tensor, at::Tensor> encode_8bit_cpu_op(const at::Tensor& values, bool is_signed) {
+  check_flat(values, at::kFloat, "values");
+  at::Tensor codes = at::empty({values.numel()}, values.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({quant_blocks(values.numel())}, values.options());
+  encode_8bit_cpu(values.data_ptr<float>(), values.numel(), is_signed, codes.data_ptr<uint8_t>(),
+                  absmax.data_ptr<float>(), at::get_num_threads());
+  return {codes, absmax};
+}
+
+at::Tensor decode_8bit_cpu_op(const at::Tensor& codes, const at::Tensor& absmax, bool is_signed) {
+  check_flat(codes, at::kByte, "codes");
+  check_flat(absmax, at::kFloat, "absmax");
+  TORCH_CHECK(absmax.numel() == quant_blocks(codes.numel()), "fusedoff: ", codes.numel(), " codes need ",
+              quant_blocks(codes.numel()), " block scales, got ", absmax.numel());
+  at::Tensor values = at::empty({codes.numel()}, absmax.options());
+  decode_8bit_cpu(codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), codes.numel(), is_signed,
+                  values.data_ptr<float>(), at::get_num_threads());
+  return values;
+}
+
+// Host only: a checkpoint's states are in host memory, or decoded where they are by the PyTorch codec.
+void define_codec_ops(torch::Library& m) {
+  m.def("encode_8bit(Tensor values, bool is_signed) -> (Tensor codes, Tensor absmax)");
+  m.def("decode_8bit(Tensor codes, Tensor absmax, bool is_signed) -> Tensor");
+}
+#endif
+
 // The schemas, the same for fusedoff._C and the emulated build.
 void define_fused_ops(torch::Library& m) {
   m.def(
@@ -532,12 +570,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "run one of the emulator's self-test kernels: (outputs, the launch's error message or '')");
 }
 #else
-TORCH_LIBRARY(fusedoff, m) { fusedoff::define_fused_ops(m); }
+TORCH_LIBRARY(fusedoff, m) {
+  fusedoff::define_fused_ops(m);
+  fusedoff::define_codec_ops(m);
+}
 
 TORCH_LIBRARY_IMPL(fusedoff, CPU, m) {
   m.impl("adam_step_", &fusedoff::adam_step_cpu_op);
   m.impl("adam_compressed_step_", &fusedoff::adam_compressed_step_cpu_op);
   m.impl("apollo_step_", &fusedoff::apollo_step_cpu_op);
+  m.impl("encode_8bit", &fusedoff::encode_8bit_cpu_op);
+  m.impl("decode_8bit", &fusedoff::decode_8bit_cpu_op);
 }
 
 #if defined(FUSEDOFF_WITH_CUDA)

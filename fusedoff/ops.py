@@ -25,11 +25,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from fusedoff import _ext
 from fusedoff.backends import BACKENDS, TEST_BACKENDS, Backend, backend_named, check_device
 from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
+from fusedoff.kernels import codec
 
 __all__ = ["BACKENDS", "TEST_BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
-           "adam_compressed_step_", "apollo_step_", "apollo_phases", "apollo_whole_step_"]
+           "adam_compressed_step_", "apollo_step_", "apollo_phases", "apollo_whole_step_", "encode_8bit", "decode_8bit"]
 
 APOLLO_PHASES = ("reduce", "full", "moments", "finish")
 APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
@@ -249,3 +251,20 @@ def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, m
                      numels, phase=phase, backend=backend, hyper=hyper, grad_scale=grad_scale, found_inf=found_inf)
         if after_phase is not None:
             after_phase(stats, phase)
+
+
+# ---- the 8-bit codec on whole tensors (checkpoints) ------------------------------------------------
+def encode_8bit(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(uint8 codes, fp32 absmax per block of ``codec.QUANT_BLOCK``) of flat fp32 `values`: the host
+    kernel for CPU tensors (the extension's, where it is built), else the PyTorch codec; the same
+    bits either way (csrc/include/fusedoff/state_codec.h)."""
+    if values.device.type == "cpu" and values.numel() and _ext.native_available():
+        return torch.ops.fusedoff.encode_8bit(values.contiguous(), signed)
+    return codec.quantize(values, signed=signed)
+
+
+def decode_8bit(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
+    """Flat fp32 values of flat uint8 `codes` under their block scales `absmax` (see `encode_8bit`)."""
+    if codes.device.type == "cpu" and codes.numel() and _ext.native_available():
+        return torch.ops.fusedoff.decode_8bit(codes.contiguous(), absmax.to(torch.float32).contiguous(), signed)
+    return codec.dequantize(codes, absmax, signed=signed)

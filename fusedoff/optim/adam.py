@@ -370,7 +370,7 @@ def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:
     decoded = torch.empty_like(codes, dtype=torch.float32)
     lead = block_lead(param, codec.QUANT_BLOCK)  # a shard's blocks are its parameter's
     absmax = local_tensor(state[f"{name}_absmax"])
-    flat_view(decoded).copy_(codec.dequantize(_led(flat_view(codes), lead), absmax, signed=name == "exp_avg")[lead:])
+    flat_view(decoded).copy_(ops.decode_8bit(_led(flat_view(codes), lead), absmax, signed=name == "exp_avg")[lead:])
     return in_layout_of(decoded.reshape(local.shape), local)
 
 
@@ -383,7 +383,7 @@ def _quantize_shard(flat: Tensor, param: Tensor, signed: bool) -> tuple[Tensor, 
     """(codes, absmax) of `param`'s local fp32 values `flat`, in blocks counted from the whole
     parameter's first element: a shard's first block is the part of it the shard holds."""
     lead = block_lead(param, codec.QUANT_BLOCK)
-    codes, absmax = codec.quantize(_led(flat, lead), signed=signed)
+    codes, absmax = ops.encode_8bit(_led(flat, lead), signed=signed)
     return codes[lead:], absmax
 
 

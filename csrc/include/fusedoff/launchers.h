@@ -14,6 +14,13 @@ void adam_compressed_step_cpu(const CompressedAdamLaunch& launch);
 // Host Apollo kernel, one phase of the step (see apollo.h).
 void apollo_step_cpu(const ApolloLaunch& launch);
 
+// The 8-bit codec (state_codec.h) on a whole flat tensor, for checkpoints: `absmax` has one scale per
+// block of kQuantBlock elements counted from the first.
+void encode_8bit_cpu(const float* values, int64_t numel, bool is_signed, uint8_t* codes, float* absmax,
+                     int num_threads);
+void decode_8bit_cpu(const uint8_t* codes, const float* absmax, int64_t numel, bool is_signed, float* values,
+                     int num_threads);
+
 // Counts of the fp32 bit patterns for which a claim of [note: split master weights] (master.h) fails:
 // the split master's round trip, the split8 one's (and its rounding, the note's), the split8 rounding's
 // bound, and the parameter's rounding (to nearest, ties away from zero). All zero is the proof; tests/test_split_master.py runs it.
