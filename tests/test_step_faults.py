@@ -16,6 +16,7 @@ which the run continues as the unfaulted one.
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 from collections import Counter
@@ -194,18 +195,22 @@ def test_a_fault_at_every_operation_of_a_step_leaves_it_undone_or_whole(optimize
 
 
 def check_incomplete_then_reload(run: Run, want: list, fault_step: int, where: str) -> None:
-    """After StepIncompleteError: every step raises it, until the model and the optimizer are loaded
-    from the checkpoint before the failed step, whence the run equals the unfaulted one."""
+    """After StepIncompleteError: every step raises it, and so do state_dict() and a copy (they would
+    hold half a step), until the model and the optimizer are loaded from the checkpoint before the
+    failed step, whence the run equals the unfaulted one."""
     run.steps -= 1
     with pytest.raises(fusedoff.StepIncompleteError):
         run.step()
     run.steps -= 1
     run.settle()
+    for save in (run.opt.state_dict, lambda: copy.deepcopy(run.opt)):  # half a step is never saved or copied
+        with pytest.raises(fusedoff.StepIncompleteError):
+            save()
     params, state = want[fault_step]
     with torch.no_grad():
         for p, value in zip(run.model.parameters(), params):
             p.copy_(value)
-    saved = run.opt.state_dict()
+    saved = Run(*run.config).opt.state_dict()  # (the groups)
     saved["state"] = {pid: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                       for pid, s in state.items()}
     run.opt.load_state_dict(saved)

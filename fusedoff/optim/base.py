@@ -20,6 +20,7 @@ from fusedoff.backends import backend_named, resolve_backend
 from fusedoff.kernels import master as masters
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, StateSpec
+from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
 from fusedoff.optim.state import OptimizerState
@@ -259,7 +260,18 @@ class FusedOptimizer(Optimizer):
         return self._engine.memory_stats()
 
     # ---- torch.optim conventions -----------------------------------------------------------
+    def _refuse_if_incomplete(self) -> None:
+        """A step that failed among its changes left half a step in the states: a checkpoint or a
+        copy of them would hold it silently (see [note: the step as a transaction])."""
+        if self._engine.incomplete is not None:
+            raise StepIncompleteError(self._engine.incomplete)
+
+    def state_dict(self) -> dict:
+        self._refuse_if_incomplete()
+        return super().state_dict()
+
     def __getstate__(self) -> dict:
+        self._refuse_if_incomplete()
         # torch keeps defaults, state and param_groups only: a copy also needs the engine's
         # configuration (and the budget decided at the first step, so that it places alike).
         self._engine.wait_host()
