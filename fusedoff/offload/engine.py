@@ -349,20 +349,19 @@ class OffloadEngine:
 
     def _reserve_buffers(self, runs: list["_Run"]) -> None:
         """Grows each device's streaming buffers to what this step's passes need, before it changes anything."""
-        needed: dict[int, tuple[StreamPipeline, int]] = {}
+        needed: dict[StreamPipeline, int] = {}
         for run in runs:
             if not run.chunks:
                 continue
             bucket = run.bucket
-            passes = [run.update.reads] if run.whole_pass else []
+            passes = [run.update.reads] if run.whole_pass else []  # (a pass moves what it reads or writes)
             if run.spanning:
                 passes += [phase.reads + phase.writes for phase in run.update.phases]
             for names in passes:
                 specs = [bucket.store.specs[name] for name in dict.fromkeys(names)]
                 set_bytes = buffer_regions(specs, bucket.plan.chunk_size)[1]
-                pipeline = bucket.pipeline
-                needed[id(pipeline)] = (pipeline, max(set_bytes, needed.get(id(pipeline), (None, 0))[1]))
-        for pipeline, set_bytes in needed.values():
+                needed[bucket.pipeline] = max(set_bytes, needed.get(bucket.pipeline, 0))
+        for pipeline, set_bytes in needed.items():
             pipeline.reserve(set_bytes)
 
     # ---- overlap with the next forward -------------------------------------------------------------
