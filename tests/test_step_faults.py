@@ -89,11 +89,18 @@ class Run:
 
         return runtimes.simulate(factory)
 
-    def step(self, fault_at: int | None = None, kind: str = "error") -> None:
-        """One step with this step's gradients, `fault_at` (None: no fault) armed during it."""
-        generator = torch.Generator().manual_seed(100 + self.steps)
-        for p in self.model.parameters():
-            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+    def step(self, fault_at: int | None = None, kind: str = "error", *, clip: float | None = None,
+             retry: bool = False) -> None:
+        """One step with this step's gradients (`retry`: the ones in place, as a retried ``step()``
+        finds them), clipped to `clip` first, `fault_at` (None: no fault) armed during the step."""
+        if retry:
+            self.steps -= 1
+        else:
+            generator = torch.Generator().manual_seed(100 + self.steps)
+            for p in self.model.parameters():
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        if clip is not None:
+            self.opt.clip_grad_norm_(clip)
         self.faults.arm(fault_at, kind)
         try:
             with self._runtime():
@@ -294,3 +301,31 @@ def _record(errors: list, fn) -> None:
         fn()
     except BaseException as error:  # (reported by the test in the main thread)
         errors.append(error)
+
+
+@pytest.mark.parametrize("placement", ("streamed", "simulated"))
+def test_a_clip_factor_outlives_a_step_that_failed_before_any_change_and_is_spent_by_a_whole_one(placement):
+    """clip_grad_norm_ folds its factor into the next step: a retried ``step()`` after a failure that
+    changed nothing still applies it, and a step made whole before a held interrupt has spent it."""
+    config = ("AdamW", torch.float32, "fp32", "fp32", placement)
+    clean, run = Run(*config), Run(*config)
+    clean.step(clip=0.1)
+    with pytest.raises(torch.OutOfMemoryError):
+        run.step(fault_at=first_operation(run, "empty"), clip=0.1)
+    run.step(retry=True)
+    assert same(run.snapshot(), clean.snapshot())
+    clean.step(clip=0.1)
+    with pytest.raises(KeyboardInterrupt):  # the last operation: among the changes
+        run.step(fault_at=first_operation_count(run) - 1, kind="interrupt", clip=0.1)
+    assert same(run.snapshot(), clean.snapshot())
+    clean.step()
+    run.step()
+    assert same(run.snapshot(), clean.snapshot())
+
+
+def first_operation_count(run: Run) -> int:
+    """The operations of a later step of an unfaulted run like `run`."""
+    clean = Run(*run.config)
+    clean.step()
+    clean.step()
+    return clean.faults.count
