@@ -24,6 +24,7 @@ with HostStateStore's `view`/`chunk` and a `Runtime` that copies to and from it.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -307,7 +308,7 @@ class OffloadEngine:
                     self._run_in_forward_order(runs)
             except BaseException as error:
                 self.incomplete = incomplete_message(error)
-                self._settle_after(error)
+                self._settle_after()
                 raise StepIncompleteError(self.incomplete) from error
             self.steps_taken += 1  # (before a held interrupt is raised: the step is whole)
             for run in runs:
@@ -315,15 +316,17 @@ class OffloadEngine:
             self._link_last_step = self.link_total - link_before
             self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
 
-    def _settle_after(self, error: BaseException) -> None:
+    def _settle_after(self) -> None:
         """After a failure among a step's changes: waits for whatever the pipelines had queued, so
-        that the host may write its states (a checkpoint loaded) without racing a queued copy; a
-        device that fails again now is not reported over `error`."""
+        that the host may write its states (a checkpoint loaded) without racing a queued copy. A
+        device that fails again now (a sticky error) is only warned about: the first failure is the
+        one raised."""
         for pipeline in self.pipelines.values():
             try:
                 pipeline.settle()
             except Exception as again:  # noqa: PERF203 (once, on a failure path)
-                error.add_note(f"fusedoff: waiting for the queued copies after it failed too: {again!r}")
+                warnings.warn(f"fusedoff: waiting for the copies queued before the step failed failed too: {again!r}",
+                              RuntimeWarning, stacklevel=3)
 
     def _prepare_step(self, work: list, state: dict, rules: OptimizerRules, scaling, created: list) -> tuple[list, list]:
         """The runs of a step (`_Run`s) and its step counts' increments, made without changing any
