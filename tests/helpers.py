@@ -227,3 +227,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ParameterListModel(torch.nn.Module):
+    """A module holding parameters of `shapes` (normal values from `seed`, in `dtype`): an optimizer's
+    tensors with a module around them, for what needs one (overlap_with, load_state_dict)."""
+
+    def __init__(self, shapes, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes)

@@ -29,6 +29,7 @@ from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.offload.simulator import SimulatedRuntime
 from tests.faults import Faults, FaultyRuntime, InjectedError, InjectedOutOfMemory
+from tests.helpers import ParameterListModel
 
 # 300 elements cross an 8-bit block (256); a 0-d tensor; sizes that are no multiple of a chunk.
 SHAPES = ((20, 15), (33,), (5, 33), ())
@@ -43,14 +44,6 @@ OPTIMIZERS += [pytest.param("Apollo", dtype, "fp32", "fp32", id=f"Apollo-{str(dt
                for dtype in (torch.float32, torch.bfloat16)]
 
 
-class Model(torch.nn.Module):
-    def __init__(self, dtype):
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.weights = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in SHAPES)
-
-
 class Run:
     """One model and optimizer, with the fault runtime (`faults`) on every device they use."""
 
@@ -59,7 +52,7 @@ class Run:
         self.faults = Faults()
         self.runtimes = []
         self.placement = placement
-        self.model = Model(dtype)
+        self.model = ParameterListModel(SHAPES, dtype)
         params = list(self.model.parameters())
         if placement == "resident":
             where = dict(offload="none")
