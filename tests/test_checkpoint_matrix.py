@@ -95,8 +95,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def fp32_states(opt, params) -> list[dict]:
     """Each tensor's moments and master weight as fp32 whole tensors (gathered where sharded)."""
+    return fp32_states_of(opt, params, STATES)
+
+
+def fp32_states_of(opt, params, names) -> list[dict]:
     states = opt.fp32_state_dict()["state"]
-    return [{name: full(states[t][name]) for name in STATES} for t in range(len(params))]
+    return [{name: full(states[t][name]) for name in names} for t in range(len(params))]
 
 
 def serialized(obj) -> bytes:
@@ -471,3 +475,39 @@ def test_a_fully_shard_8bit_checkpoint_loads_into_a_plain_model(runs):
             assert torch.equal(a[name], b[name]), f"{name} of parameter {t}"
     for t, (a, b) in enumerate(zip(got["params"], case["want"])):
         assert torch.equal(a, b), f"parameter {t}"
+
+
+@pytest.mark.parametrize("saved", MASTER_PRECISIONS)
+def test_apollo_continues_across_master_precisions(tmp_path, saved):
+    """Apollo keeps fp32 states and masters in any master precision: its DCP state dict holds the
+    whole master too, and every destination continues bit for bit (one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def apollo(params, master):
+        return fusedoff.Apollo(params, lr=1e-2, warmup=1, rebound="belief", master_precision=master,
+                               **{k: HYPER[k] for k in ("backend", "offload", "chunk_size")})
+
+    params = make_params(None)
+    opt = apollo(params, saved)
+    train(params, opt, range(SAVE_AT))
+    model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    want_states = fp32_states_of(opt, params, ("exp_avg_grad", "approx_hessian", "update", "master_param"))
+    train(params, opt, range(SAVE_AT, STEPS))
+    for built in MASTER_PRECISIONS:
+        fresh = make_params(None, [initial(t) + 1 for t in range(len(SHAPES))])
+        module = torch.nn.ParameterList(fresh)
+        dest = apollo(fresh, built)
+        model_sd, optim_sd = get_state_dict(module, dest)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(tmp_path))
+        set_state_dict(module, dest, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert {g["master_precision"] for g in dest.param_groups} == {saved}
+        got = fp32_states_of(dest, fresh, ("exp_avg_grad", "approx_hessian", "update", "master_param"))
+        for t, (a, b) in enumerate(zip(got, want_states)):
+            for name in a:
+                assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), f"{built}: {name} of {t}"
+        train(fresh, dest, range(SAVE_AT, STEPS))
+        for t, (a, b) in enumerate(zip(fresh, params)):
+            assert torch.equal(a.detach(), b.detach()), f"{built}: tensor {t} after resuming"
