@@ -89,8 +89,7 @@ class Adam(FusedOptimizer):
     def _states_as_kept(self, state_dict: dict) -> dict:
         """For torch.save: the moments as kept, each group saying their form; but fp32 in groups
         whose 8-bit moments belong to sharded parameters (DTensors: see [note: checkpoints of
-        compressed shards]) or whose moments are in several forms (a state dict of its own, which
-        converts them all)."""
+        compressed shards]) or are in several forms (so that the group says one)."""
         params = [p for g in self.param_groups for p in g["params"]]
         groups = []
         for group in state_dict["param_groups"]:
