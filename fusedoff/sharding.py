@@ -31,15 +31,15 @@ block boundaries; the head block is a fused range of its own (`_heads_apart` in 
 torch.distributed.checkpoint reshards a DTensor by its elements, but a rank's 8-bit scales
 describe its own parts of the parameter's blocks: they are no DTensor, and saved as a plain tensor
 one rank's would stand for all. So ``state_dict()`` holds the 8-bit moments of a sharded parameter
-decoded to fp32 (DTensors like the parameter, in host memory where the states are), and loading
-quantizes them in the loading shards' blocks. Decoding is exact and quantizing a decoded block
-gives back its codes and scale, so a checkpoint loaded where the blocks are the same (the same
-sharding, or shards on block boundaries in both) continues bit for bit; a block that was two parts
-and is now whole (or the reverse) is quantized once more, within the 8-bit bound. bf16 moments
-are DTensors as they are. The checkpoint costs fp32 bytes for 8-bit moments: the price of
-resharding them without a collective. An empty tensor marks the decoded moments (optim/adam.py's
-DECODED_MARK), so that DCP refuses, as a missing key, to load an unsharded 8-bit optimizer's
-checkpoint (codes and scales) into a sharded one, which would read the codes as moments.
+decoded to fp32 (DTensors like the parameter, in host memory where the states are), as a state
+dict made for DCP holds every optimizer's (see [note: distributed checkpoints across forms] in
+fusedoff/optim/checkpoint.py), and loading quantizes them in the loading shards' blocks. Decoding
+is exact and quantizing a decoded block gives back its codes and scale, so a checkpoint loaded
+where the blocks are the same (the same sharding, or shards on block boundaries in both) continues
+bit for bit; a block that was two parts and is now whole (or the reverse) is quantized once more,
+within the 8-bit bound. The checkpoint costs fp32 bytes for 8-bit moments: the price of resharding
+them without a collective. An empty tensor beside them (optim/adam.py's DECODED_MARK) and their
+group's ``saved_state_precision`` "fp32" say they are decoded.
 """
 
 from __future__ import annotations

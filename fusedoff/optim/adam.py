@@ -19,10 +19,12 @@ from fusedoff.sharding import (block_lead, blocks_touched, is_dtensor, like_para
 from fusedoff.tensor_layout import flat_view, in_layout_of, is_dense
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # exp_avg takes the signed 8-bit map, exp_avg_sq the unsigned one
-# An empty tensor beside the decoded 8-bit moments of a shard in a state dict: a checkpoint without it
-# (an unsharded optimizer's codes and scales) is refused by torch.distributed.checkpoint's load as a
-# missing key, instead of its codes being read as moments (see [note: checkpoints of compressed shards]).
+# An empty tensor beside the decoded 8-bit moments of a shard in a state dict for torch.save (see
+# [note: checkpoints of compressed shards]).
 DECODED_MARK = "8bit_moments_decoded"
+# In each group of a state dict: the precision its moments are in there (see [note: distributed
+# checkpoints across forms] in fusedoff/optim/checkpoint.py); loading drops it.
+SAVED_PRECISION_KEY = "saved_state_precision"
 
 
 class Adam(FusedOptimizer):
@@ -82,35 +84,57 @@ class Adam(FusedOptimizer):
 
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
         super()._register_hooks()
-        self.register_state_dict_post_hook(Adam._shards_decoded)
-        self.register_load_state_dict_pre_hook(Adam._without_decoded_marks)
+        self.register_load_state_dict_pre_hook(Adam._checked_against_saved_forms)
 
-    @staticmethod
-    def _shards_decoded(optimizer: "Adam", state_dict: dict) -> dict:
-        """State-dict post-hook: the 8-bit moments of sharded parameters decoded to fp32 DTensors
-        (see [note: checkpoints of compressed shards]); the optimizer's own states are unchanged."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+    def _states_as_kept(self, state_dict: dict) -> dict:
+        """For torch.save: the moments as kept, each group saying their form; but fp32 in groups
+        whose 8-bit moments belong to sharded parameters (DTensors: see [note: checkpoints of
+        compressed shards]) or are in several forms (so that the group says one)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = []
+        for group in state_dict["param_groups"]:
+            pids = [pid for pid in group["params"] if pid in state_dict["state"]]
+            forms = {_form_of(state_dict["state"][pid]) for pid in pids} - {None}
+            mixed = len(forms) > 1
+            saved = "fp32" if mixed else next(iter(forms), group["state_precision"])
+            if mixed or saved == "8bit" and any(is_dtensor(params[pid]) for pid in pids):
+                saved = "fp32"
+                for pid in pids:
+                    state_dict["state"][pid] = {**_decoded(state_dict["state"][pid], params[pid]),
+                                                DECODED_MARK: torch.zeros(0)}
+            groups.append({**group, SAVED_PRECISION_KEY: saved})
+        state_dict["param_groups"] = groups
+        return state_dict
+
+    def _states_in_fp32(self, state_dict: dict) -> dict:
+        state_dict = super()._states_in_fp32(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
         for pid, state in list(state_dict["state"].items()):
-            param = params[pid]
-            if not is_dtensor(param) or not any(isinstance(state.get(f"{n}_absmax"), Tensor) for n in MOMENTS):
-                continue
-            state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
-            for name in MOMENTS:
-                if isinstance(state.get(f"{name}_absmax"), Tensor):
-                    state[name] = like_param(_moment_fp32(state, name, param), param)  # where the state is
-            for name in MOMENTS:
-                state.pop(f"{name}_absmax", None)
-            state[DECODED_MARK] = torch.zeros(0)
+            state = state_dict["state"][pid] = _decoded(state, params[pid])
+            state.pop(DECODED_MARK, None)
+        state_dict["param_groups"] = [{**g, SAVED_PRECISION_KEY: "fp32"} for g in state_dict["param_groups"]]
         return state_dict
 
     @staticmethod
-    def _without_decoded_marks(optimizer: "Adam", state_dict: dict) -> dict | None:
-        """Load pre-hook: the state dict without the marks `_shards_decoded` adds (the user's dict unchanged)."""
-        if not any(DECODED_MARK in state for state in state_dict["state"].values()):
+    def _checked_against_saved_forms(optimizer: "Adam", state_dict: dict) -> dict | None:
+        """Load pre-hook: refuses moments that are not what their group says it saved (see [note:
+        distributed checkpoints across forms]), before anything changes; returns the state dict
+        without the keys the post-hooks add (the user's dict unchanged)."""
+        saved_as = {pid: (group.get(SAVED_PRECISION_KEY), group.get("state_precision")) for group in
+                    state_dict["param_groups"] for pid in group["params"]}
+        for pid, state in state_dict["state"].items():
+            saved, kept = saved_as.get(pid, (None, None))
+            for name in MOMENTS if saved is not None else ():
+                value = state.get(name)
+                if isinstance(value, Tensor) and not _holds_saved_values(value, state, name, saved, kept):
+                    raise ValueError(_converted_on_the_way(pid, name, value, saved))
+        if not any(SAVED_PRECISION_KEY in g for g in state_dict["param_groups"]) and not any(
+                DECODED_MARK in state for state in state_dict["state"].values()):
             return None
         states = {pid: {k: v for k, v in state.items() if k != DECODED_MARK}
                   for pid, state in state_dict["state"].items()}
-        return {**state_dict, "state": states}
+        groups = [{k: v for k, v in g.items() if k != SAVED_PRECISION_KEY} for g in state_dict["param_groups"]]
+        return {**state_dict, "state": states, "param_groups": groups}
 
     def add_param_group(self, param_group: dict) -> None:
         if isinstance(param_group, dict):  # a group's own precision, checked before torch adds it
@@ -230,16 +254,6 @@ class Adam(FusedOptimizer):
         and master weights whole (``master_param``)."""
         state_dict = super().fp32_state_dict()
         state_dict["param_groups"] = [{**g, "state_precision": "fp32"} for g in state_dict["param_groups"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, state in state_dict["state"].items():
-            param = params[pid]
-            state = state_dict["state"][pid] = dict(state)  # torch's dict holds the optimizer's own
-            for name in MOMENTS:
-                if isinstance(state.get(name), Tensor) and state[name].dtype != torch.float32:
-                    state[name] = like_param(_moment_fp32(state, name, param), param)  # a DTensor where sharded
-            for name in MOMENTS:
-                state.pop(f"{name}_absmax", None)
-            state.pop(DECODED_MARK, None)
         return state_dict
 
 
@@ -355,6 +369,58 @@ def _check_precision(state_precision, seed, amsgrad) -> None:
     if amsgrad and state_precision != "fp32":
         raise ValueError(f"amsgrad keeps fp32 states only: state_precision={state_precision!r} compresses exp_avg and "
                          "exp_avg_sq, and a compressed running maximum is not implemented")
+
+
+def _decoded(state: dict, param: Tensor) -> dict:
+    """A copy of `state` (torch's state dict holds the optimizer's own) with its compressed moments
+    as fp32, their block scales left out: exactly their values."""
+    state = dict(state)
+    for name in MOMENTS:
+        if isinstance(state.get(name), Tensor) and state[name].dtype != torch.float32:
+            state[name] = like_param(_moment_fp32(state, name, param), param)  # a DTensor where sharded
+    for name in MOMENTS:
+        state.pop(f"{name}_absmax", None)
+    return state
+
+
+def _form_of(state: dict) -> str | None:
+    """The precision a parameter's moments are stored in (None: it has none yet)."""
+    value = state.get(MOMENTS[0])
+    return _precision_stored_as(value.dtype) if isinstance(value, Tensor) else None
+
+
+def _precision_stored_as(dtype: torch.dtype) -> str | None:
+    """The state precision whose moments are stored as `dtype` (None: none is)."""
+    return next((precision for precision in codec.PRECISIONS if codec.state_dtype(precision) == dtype), None)
+
+
+_SAVED_FORMS = {"fp32": "fp32 moments", "bf16": "bf16 moments", "8bit": "8-bit codes with their block scales"}
+
+
+def _holds_saved_values(value: Tensor, state: dict, name: str, saved: str, kept: str | None) -> bool:
+    """Whether moment `name` of a loaded `state`, whose group says it was saved in precision `saved`
+    and is kept in `kept`, holds the saved values: in the saved form, or bf16 widened to fp32
+    (exact); or in the kept form where that differs (a dict whose states were converted after it
+    was made, as ZeRO-1's consolidated groups can be)."""
+    def in_form(precision: str) -> bool:
+        if precision == "8bit":
+            return value.dtype == torch.uint8 and isinstance(state.get(f"{name}_absmax"), Tensor)
+        return value.dtype == codec.state_dtype(precision)
+
+    widened = saved == "bf16" and value.dtype == torch.float32
+    return in_form(saved) or widened or (kept in codec.PRECISIONS and kept != saved and in_form(kept))
+
+
+def _converted_on_the_way(pid, name: str, value: Tensor, saved: str) -> str:
+    read = _precision_stored_as(value.dtype)
+    read = f", the form of state_precision={read!r}" if read else ""
+    return (f"state {name!r} of parameter {pid} was saved as {_SAVED_FORMS[saved]} ({SAVED_PRECISION_KEY}={saved!r}) "
+            f"but is loaded as a {value.dtype} tensor{' without them' if saved == '8bit' else ''}{read}: "
+            "torch.distributed.checkpoint reads a checkpoint into the tensors of the destination's own state "
+            "dict, converting their dtype, so it no longer holds the saved values. Save and load through "
+            "torch.distributed.checkpoint.state_dict's get_state_dict and set_state_dict (or "
+            "get_optimizer_state_dict and set_optimizer_state_dict), whose state dicts hold fp32 states that "
+            f"every state_precision reads, or load it into an optimizer with state_precision={saved!r}")
 
 
 def _moment_fp32(state: dict, name: str, param: Tensor) -> Tensor:

@@ -106,6 +106,16 @@ class FusedOptimizer(Optimizer):
     def _register_hooks(self) -> None:
         self._set_aside_hook = self.register_load_state_dict_pre_hook(checkpoint.set_states_aside)
         self.register_load_state_dict_post_hook(checkpoint.place_states, prepend=True)
+        self.register_state_dict_post_hook(FusedOptimizer._states_as_saved)
+
+    @staticmethod
+    def _states_as_saved(optimizer: "FusedOptimizer", state_dict: dict) -> dict:
+        """State-dict post-hook: for torch.distributed.checkpoint every state in torch's fp32 form
+        (see [note: distributed checkpoints across forms] in fusedoff/optim/checkpoint.py), otherwise
+        as the optimizer keeps them; the optimizer's own states are unchanged."""
+        if checkpoint.for_distributed_checkpoint():
+            return optimizer._states_in_fp32(state_dict)
+        return optimizer._states_as_kept(state_dict)
 
     # ---- subclass interface ----------------------------------------------------------------
     def _state_names(self, group: dict) -> tuple[str, ...]:
@@ -170,9 +180,19 @@ class FusedOptimizer(Optimizer):
 
     def fp32_state_dict(self) -> dict:
         """``state_dict()`` with master weights whole (fp32 ``master_param``), as torch's form has them."""
-        state_dict = self.state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
+        state_dict = self._states_in_fp32(self.state_dict())
         state_dict["param_groups"] = [{**g, "master_precision": "fp32"} for g in state_dict["param_groups"]]
+        return state_dict
+
+    def _states_as_kept(self, state_dict: dict) -> dict:
+        """`state_dict` (torch's, made by ``state_dict()``) for torch.save: as it is here."""
+        return state_dict
+
+    def _states_in_fp32(self, state_dict: dict) -> dict:
+        """`state_dict` with every state in torch's fp32 form: here split masters joined with their
+        parameters into whole fp32 ``master_param``; subclasses convert their own states. The
+        groups are left as they are."""
+        params = [p for g in self.param_groups for p in g["params"]]
         for pid, state in list(state_dict["state"].items()):
             low = next((state[name] for name in MASTER_LOW_BITS.values() if isinstance(state.get(name), Tensor)), None)
             if low is not None:
@@ -180,6 +200,7 @@ class FusedOptimizer(Optimizer):
                 local = local_tensor(params[pid]).detach()
                 state[MASTER.name] = like_param(masters.join(local, local_tensor(low)).reshape(local.shape), params[pid])
         return state_dict
+
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
                       found_inf: Tensor | None, names: tuple[str, ...], params: list[Tensor]) -> FusedUpdate:
         """The fused update of one bucket of `group` whose states are `names` (master_param included

@@ -5,15 +5,48 @@ of bf16/fp16 parameters, and moves them to the parameter's device, which for str
 materialise them on the GPU. So the pre-hook (kept after every user pre-hook) validates the dict and
 sets the state tensors aside, and the post-hook (first among the post-hooks) puts them in
 ``opt.state`` once torch has loaded the rest, and has the engine place them afresh.
+
+[note: distributed checkpoints across forms]
+torch.distributed.checkpoint (DCP) loads a checkpoint into the destination's own state dict, key by
+key: the destination's keys say what is read, and each saved tensor is copied into the
+destination's tensor of that key, converting its dtype. So a state dict made for DCP holds every
+state in the one form that every optimizer asks for, torch's: fp32 moments (8-bit ones decoded,
+bf16 ones widened, both exactly) and whole fp32 master weights (``master_param``), as
+``fp32_state_dict()`` has them, while its groups keep their ``state_precision`` and
+``master_precision`` (DCP restores those like lr). Loading then puts each state back into the form
+its group says, and those conversions are exact: a checkpoint continues bit for bit whatever
+precisions the destination was built with and whatever its topology, except 8-bit moments whose
+blocks differ between the two (a shard starting inside a block), quantized once more within the
+8-bit bound. The state dict knows it is made for DCP by DCP's state-dict functions on the call
+stack (`for_distributed_checkpoint`; ``get_state_dict``, ``get_optimizer_state_dict``, and
+``set_state_dict`` for what it loads into). A state dict made otherwise (``state_dict()`` for
+torch.save) keeps the forms the optimizer keeps. Every group of an Adam state dict of either says in
+``saved_state_precision`` the form its moments are in, and DCP loads that key too (a checkpoint
+without it, written before it existed, is refused by DCP as missing the key): a moment whose dtype
+is not that form or an exact widening of it was converted by DCP on the way (8-bit codes read as
+numbers into fp32 moments, fp32 moments rounded to bf16), and the load is refused naming both forms.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import Tensor
 
 from fusedoff.kernels import codec
 from fusedoff.sharding import blocks_touched, local_tensor, state_for_param
+
+
+def for_distributed_checkpoint() -> bool:
+    """Whether the state dict being made is for torch.distributed.checkpoint: one of its
+    state-dict functions is on the call stack (see [note: distributed checkpoints across forms])."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def set_states_aside(optimizer, state_dict: dict) -> dict:
