@@ -99,7 +99,8 @@ def other_rounding_at_ties(master: Tensor, param: Tensor) -> Tensor:
     """Where bf16 `param` holds, at a tie of finite fp32 `master` (low half 0x8000), the nearest
     rounding that is not fusedoff's: the upper half (torch's round to nearest even, where it is even)."""
     u = _bits(master).reshape(param.shape)
-    return ((u & 0xFFFF) == 0x8000) & ((u & 0x7F800000) != 0x7F800000) & (_bits16(param).reshape(param.shape) == (u >> 16))
+    upper_half = _bits16(param).reshape(param.shape) == (u >> 16)
+    return ((u & 0xFFFF) == 0x8000) & ((u & 0x7F800000) != 0x7F800000) & upper_half
 
 
 def master_or_param(master: Tensor, param: Tensor) -> Tensor:
