@@ -604,6 +604,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "over all 2^32 fp32 values: failures of (split round trip, split8 round trip, split8 bound, "
       "parameter rounding); see [note: split master weights]");
+  m.def("written_param_selftest", &fusedoff::written_param_selftest,
+        "over all 2^32 fp32 masters and 4 bf16 parameters each: pairs where master_or_param keeps a "
+        "master it should take from the parameter or the reverse; see [note: every write is seen]");
   m.def(
       "split_master_lanes_selftest",
       [](uint32_t salt, int num_threads) -> py::object {

@@ -2,9 +2,8 @@
 operation of a step, as the real runtime fails there (see [note: the step as a transaction] in
 fusedoff/offload/transaction.py).
 
-Every operation the engine asks of a device counts: allocation (`empty`), pinning, copies (the
-pipeline's and a parameter read to the host), kernel launches, streams, events, waits and host
-synchronisations, memory figures. A fault is either the error the real runtime raises there
+Every operation the engine asks of a device counts: allocation (`empty`), pinning, copies, kernel
+launches, streams, events, waits and host synchronisations, memory figures. A fault is either the error the real runtime raises there
 (``torch.OutOfMemoryError`` for an allocation, ``RuntimeError`` for anything else) or a SIGINT
 delivered at that moment (Ctrl-C: Python raises KeyboardInterrupt there unless a handler holds it).
 """
@@ -71,10 +70,6 @@ class FaultyRuntime(Runtime):
         self.decides_budget = inner.decides_budget
         self.asynchronous = inner.asynchronous
         self.records_accesses = inner.records_accesses
-
-    def read_to_host(self, tensor):
-        self.faults.operation("read_to_host")
-        return super().read_to_host(tensor)
 
     def new_stream(self):
         self.faults.operation("new_stream")

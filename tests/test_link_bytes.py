@@ -193,15 +193,15 @@ def test_resident_states_copy_nothing_and_counts_survive_replacing():
     assert opt.memory_stats()["link_bytes_total"] == {"to_device": h2d, "to_host": d2h}
     give_grads(params, gen)
     opt.step()
-    # A loaded master is checked against its parameter at the next step: each parameter read back once.
-    read_back = sum(p.numel() * p.element_size() for p in params)
+    # A loaded master is checked against its parameter by the kernels, on the device: no parameter
+    # crosses the link (see [note: every write is seen] in csrc/include/fusedoff/master.h).
     opt.set_device_budget(10**9)  # everything resident from the next step: it copies nothing
-    assert opt.memory_stats()["link_bytes_last_step"] == {"to_device": h2d, "to_host": d2h + read_back}
+    assert opt.memory_stats()["link_bytes_last_step"] == {"to_device": h2d, "to_host": d2h}
     give_grads(params, gen)
     opt.step()
     stats = opt.memory_stats()
     assert stats["link_bytes_last_step"] == {"to_device": 0, "to_host": 0}
-    assert stats["link_bytes_total"] == {"to_device": 2 * h2d, "to_host": 2 * d2h + read_back}
+    assert stats["link_bytes_total"] == {"to_device": 2 * h2d, "to_host": 2 * d2h}
 
 
 def test_a_step_of_some_tensors_counts_their_chunks_only():
@@ -250,9 +250,9 @@ def test_bytes_per_parameter_rows_by_hand():
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_a_parameter_written_between_steps_is_read_back_once_and_counted(placement):
-    """A streamed master follows its parameter: after an outside write the next step reads the
-    parameter to the host once (synchronously), and that copy is counted with the step's."""
+def test_a_parameter_written_between_steps_costs_nothing_over_the_link(placement):
+    """A streamed master follows its parameter: after an outside write the next step's kernels read
+    the parameter beside the master on the device, and nothing more crosses the link."""
     precision = model_precision(torch.bfloat16, "fp32")
     budget, numels = model_placement("AdamW", "fp32", precision, PLACEMENTS[placement])
     h2d, d2h = model_link("AdamW", "fp32", precision, numels)
@@ -272,6 +272,4 @@ def test_a_parameter_written_between_steps_is_read_back_once_and_counted(placeme
             opt.step()
             counted.append(opt.memory_stats()["link_bytes_last_step"])
     assert math.prod(written.shape) in numels
-    extra = written.numel() * written.element_size()
-    assert counted == [{"to_device": h2d, "to_host": d2h}, {"to_device": h2d, "to_host": d2h + extra},
-                       {"to_device": h2d, "to_host": d2h}]
+    assert counted == [{"to_device": h2d, "to_host": d2h}] * 3

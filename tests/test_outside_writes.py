@@ -2,15 +2,17 @@
 
 torch's optimizers step from what a parameter holds. fusedoff keeps fp32 master weights for
 fp16/bf16 parameters; a write to the parameter (``copy_``, ``load_state_dict``, ``torch.nn.init``,
-``p.data = ...``) must make the next step start from the written value: that tensor's master is
-taken from the parameter, its other states are kept, every other tensor is untouched bit for bit
-(see [note: master weights follow the parameters] in fusedoff/offload/bucket.py). Every case runs
-resident, streamed, mixed (the written tensor resident or streamed) and streamed on the simulated
-device (its race checker orders the host's read of the parameter and its write into the store).
+``p.data = ...``, ``p.data.copy_(w)``, which no version counter sees) must make the next step start
+from the written value: the written elements' masters are taken from the parameter, every other
+element, state and tensor is untouched bit for bit (see [note: master weights follow the
+parameters] in fusedoff/offload/bucket.py). A parameter that torch cast from its master (ties to
+even) is no write: every master is kept. Every case runs resident, streamed, mixed (the written
+tensor resident or streamed) and streamed on the simulated device.
 
 Oracles: torch.optim.AdamW stepping an fp32 copy of the written value with fusedoff's own moments;
-the run with no write, for every tensor the write did not touch; and, bit for bit, the same write
-followed by the master assigned as that value through ``opt.state`` (another path into the engine).
+the run with no write, for every tensor and element the write did not touch; and, bit for bit, the
+same write followed by the master assigned as that value through ``opt.state`` (another path into
+the engine).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import fusedoff
+from fusedoff.kernels.master import param_of_master
 from tests.helpers import device_of
 
 SHAPES = ((33, 7), (33,), (5, 33), (5,))
@@ -34,13 +37,16 @@ def param_bytes(numel: int, optimizer: str) -> int:
 PLACEMENTS = ("resident", "streamed", "mixed", "simulated")
 
 
-def make_optimizer(optimizer: str, params, placement: str):
+def placement_options(placement: str, optimizer: str = "AdamW") -> dict:
     if placement == "resident":
-        where = dict(offload="none")
-    elif placement == "mixed":  # the first tensor resident, the rest streamed
-        where = dict(offload="stream", chunk_size=64, device_budget=param_bytes(33 * 7, optimizer))
-    else:
-        where = dict(offload="stream", chunk_size=64)
+        return dict(offload="none")
+    if placement == "mixed":  # the first tensor resident, the rest streamed
+        return dict(offload="stream", chunk_size=64, device_budget=param_bytes(33 * 7, optimizer))
+    return dict(offload="stream", chunk_size=64)
+
+
+def make_optimizer(optimizer: str, params, placement: str):
+    where = placement_options(placement, optimizer)
     if optimizer == "Apollo":
         return fusedoff.Apollo(params, lr=LR, warmup=2, backend="cpu", **where)
     return fusedoff.AdamW(params, lr=LR, weight_decay=0.1, backend="cpu", **where)
@@ -60,7 +66,8 @@ def gradients(step: int, dtype):
 
 
 def new_value(dtype, index: int):
-    return (torch.randn(SHAPES[index], generator=torch.Generator().manual_seed(7)) + 3.0).to(dtype)
+    # (about 8 away from the weights: no element is written with the bits it held, see below)
+    return (torch.randn(SHAPES[index], generator=torch.Generator().manual_seed(7)) + 8.0).to(dtype)
 
 
 def write_copy(model, index, dtype):
@@ -76,11 +83,16 @@ def write_load_state_dict(model, index, dtype):
 
 def write_init(model, index, dtype):
     torch.manual_seed(3)
-    torch.nn.init.normal_(model.weights[index], mean=3.0)
+    torch.nn.init.normal_(model.weights[index], mean=8.0)
 
 
 def write_data(model, index, dtype):
     model.weights[index].data = new_value(dtype, index)
+
+
+def write_through_data(model, index, dtype):
+    """``p.data.copy_(w)``: an in-place write that autograd's version counter does not count."""
+    model.weights[index].data.copy_(new_value(dtype, index))
 
 
 def write_same_bits(model, index, dtype):
@@ -90,13 +102,14 @@ def write_same_bits(model, index, dtype):
 
 
 WRITES = {"copy_": write_copy, "load_state_dict": write_load_state_dict, "nn.init": write_init,
-          "data=": write_data}
+          "data=": write_data, "data.copy_": write_through_data}
 
 
 def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, read_before=True):
     """STEPS_BEFORE steps, then `write` to tensor `index` (and, with `assign_master`, its master set
-    to the written value through opt.state), then one more step. Returns the model, the optimizer,
-    the states just before the last step and the written value."""
+    to the written value through opt.state; a callable: to ``assign_master(written, master)``), then
+    one more step. Returns the model, the optimizer, the states just before the last step and the
+    written value."""
     with device_of(placement):
         model = Model(dtype)
         params = list(model.weights)
@@ -106,7 +119,10 @@ def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, r
                 if write is not None:
                     write(model, index, dtype)
                     if assign_master:
-                        opt.state[params[index]]["master_param"] = params[index].detach().float()
+                        master = params[index].detach().float()
+                        if callable(assign_master):
+                            master = assign_master(master, opt.state[params[index]]["master_param"])
+                        opt.state[params[index]]["master_param"] = master
                 before = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
                           for p in params] if read_before else None  # reading waits for the host
                 written = params[index].detach().clone()
@@ -157,6 +173,10 @@ def test_the_next_step_starts_from_the_written_parameter(placement, optimizer, d
     untouched, untouched_states, untouched_before, _ = run(optimizer, dtype, placement)
     assigned, assigned_states, _, _ = run(optimizer, dtype, placement, WRITES[write], index, assign_master=True)
     grad = gradients(STEPS_BEFORE, dtype)[index]
+    # Every element written with other bits than its master's rounding (one written with the bits it
+    # held is an unwritten element: see test_only_the_written_elements_take_the_parameter).
+    held = param_of_master(before[index]["master_param"], dtype)
+    assert not (written.view(torch.int16) == held.view(torch.int16)).any()
 
     # Before the step: only the master of the written tensor follows it; its other states are kept.
     for name, value in before[index].items():
@@ -168,12 +188,153 @@ def test_the_next_step_starts_from_the_written_parameter(placement, optimizer, d
     assert_bits_equal(params[index], assigned[index], "the written parameter")
     # ... not from the master it had (which gives the run without the write) ...
     assert not torch.equal(params[index], untouched[index])
-    if optimizer == "AdamW":  # ... one step away from it (the stale master was about 3 away), as torch.optim.AdamW steps it
+    if optimizer == "AdamW":  # ... one step away from it (the stale master was about 8 away), as torch.optim.AdamW steps it
         assert (params[index].float() - written.float()).abs().max() <= 2 * LR + 0.01 * written.float().abs().max()
         want = torch_adamw_master(written, grad, before[index], dtype)
         torch.testing.assert_close(states[index]["master_param"], want, rtol=2e-6, atol=1e-7)
     # Every other tensor is exactly as without the write.
     assert_runs_equal(params, states, untouched, untouched_states, skip=index)
+
+
+WRITTEN = slice(1, None, 3)  # the elements of the flat parameter that a partial write writes
+
+
+def write_some_elements(through_data: bool):
+    """A write of every third element (from the second) of the flat parameter, through ``.data``
+    (no version counter moves) or under ``torch.no_grad()`` (it moves)."""
+    def write(model, index, dtype):
+        param = model.weights[index]
+        target = param.data if through_data else param
+        with torch.no_grad():
+            target.view(-1)[WRITTEN] = new_value(dtype, index).view(-1)[WRITTEN]
+    return write
+
+
+def written_elements(shape) -> torch.Tensor:
+    """Where a partial write writes (`WRITTEN` of the flat parameter), as a mask of `shape`."""
+    flat = torch.zeros(shape, dtype=torch.bool).view(-1)
+    flat[WRITTEN] = True
+    return flat.view(shape)
+
+
+def master_of_written_elements(written: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """The master that holds the written values where written, and `master` elsewhere."""
+    return torch.where(written_elements(written.shape), written, master.detach().float())
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("optimizer", ["AdamW", "Apollo"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("through_data", [True, False], ids=["data", "no_grad"])
+@pytest.mark.parametrize("index", [0, 2])
+def test_only_the_written_elements_take_the_parameter(placement, optimizer, dtype, through_data, index):
+    """The masters of the written elements are taken from the parameter; every other element of the
+    written tensor keeps its master, and steps as in the run without the write, bit for bit."""
+    write = write_some_elements(through_data)
+    params, states, before, written = run(optimizer, dtype, placement, write, index)
+    untouched, untouched_states, _, _ = run(optimizer, dtype, placement)
+    assigned, assigned_states, _, _ = run(optimizer, dtype, placement, write, index,
+                                          assign_master=master_of_written_elements)
+    # As the masters assigned the written values through opt.state, the others kept, bit for bit ...
+    assert_bits_equal(params[index], assigned[index], "the written parameter")
+    for name in states[index]:
+        assert_bits_equal(states[index][name], assigned_states[index][name], f"{name} of the written tensor")
+    # ... the unwritten elements: the parameter and every state as without the write (no sum of
+    # Apollo's reads the weights without weight decay) ...
+    kept = ~written_elements(written.shape)
+    assert_bits_equal(params[index][kept], untouched[index][kept], "unwritten elements of the parameter")
+    for name, value in states[index].items():
+        want = untouched_states[index][name]
+        assert_bits_equal(value if name == "step" else value[kept], want if name == "step" else want[kept],
+                          f"unwritten elements' {name}")
+    # ... and the written ones stepped from the written values, as torch.optim.AdamW steps them.
+    if optimizer == "AdamW":
+        want = torch_adamw_master(written, gradients(STEPS_BEFORE, dtype)[index], before[index], dtype)
+        torch.testing.assert_close(states[index]["master_param"][~kept], want[~kept], rtol=2e-6, atol=1e-7)
+    assert not torch.equal(params[index][~kept], untouched[index][~kept])
+    assert_runs_equal(params, states, untouched, untouched_states, skip=index)
+
+
+def masters_with_ties(shape, seed: int) -> torch.Tensor:
+    """fp32 masters of which every fourth is an exact bf16 tie (low half 0x8000) with an even upper
+    half: torch's cast (ties to even) rounds those down in magnitude, fusedoff's (ties away) up."""
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    ties = values.view(torch.int32).view(-1)[::4]
+    ties.copy_((ties & ~0x1FFFF) | 0x8000)
+    return values
+
+
+def load_masters(opt, params, masters, through: str) -> None:
+    """`masters` as the fp32 ``master_param`` of `params` beside zero moments, through torch's state
+    dict form or assigned through ``opt.state`` (with a step count: a state without one starts afresh)."""
+    if through == "load_state_dict":
+        state = {t: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m),
+                     "master_param": m.clone()} for t, m in enumerate(masters)}
+        opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+    else:
+        for p, m in zip(params, masters):
+            opt.state[p]["step"] = torch.tensor(1.0)
+            opt.state[p]["master_param"] = m.clone()
+
+
+def zero_gradient_step(opt, params) -> None:
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("precision,through", [("fp32", "load_state_dict"), ("fp32", "opt.state"),
+                                               ("split", "load_state_dict")])
+def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precision, through):
+    """fp32 masters loaded as ``master_param`` beside bf16 parameters that torch cast from them (as
+    torchao's tests start mixed precision): a step that changes no weight (zero gradients, no weight
+    decay) keeps every master bit for bit, ties included; a parameter at a tie may take fusedoff's
+    rounding (ties away from zero), the other nearest one."""
+    with device_of(placement):
+        model = Model(torch.bfloat16)
+        params = list(model.weights)
+        masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m.to(torch.bfloat16))
+        opt = fusedoff.AdamW(params, lr=LR, weight_decay=0.0, backend="cpu", master_precision=precision,
+                             **placement_options(placement))
+        load_masters(opt, params, masters, through)
+        zero_gradient_step(opt, params)
+        loaded = opt.fp32_state_dict()["state"]
+        for t, (p, m) in enumerate(zip(params, masters)):
+            assert_bits_equal(loaded[t]["master_param"].reshape(m.shape), m, f"master {t}")
+            u = m.view(torch.int32).long() & 0xFFFFFFFF
+            torch_cast = m.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+            assert (torch_cast != (u >> 16) + 1).logical_and((u & 0xFFFF) == 0x8000).sum() > 0  # ties it rounds down
+            either = (p.detach().view(torch.int16).long() & 0xFFFF == torch_cast) | (
+                ((u & 0xFFFF) == 0x8000) & (p.detach().view(torch.int16).long() & 0xFFFF == (u >> 16) + 1))
+            assert either.all(), f"parameter {t} is not a nearest rounding of its master"
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("through", ["load_state_dict", "opt.state"])
+def test_an_fp16_parameter_rounded_away_at_a_tie_keeps_its_master(placement, through):
+    """fp16 parameters rounded to nearest with ties away from zero (another tool's cast) beside fp32
+    masters with exact fp16 ties: the other nearest rounding, not a write; every master is kept."""
+    with device_of(placement):
+        model = Model(torch.float16)
+        params = list(model.weights)
+        masters = []
+        for t, p in enumerate(params):
+            m = torch.randn(p.shape, generator=torch.Generator().manual_seed(40 + t)).to(torch.float16).float()
+            up = (m.to(torch.float16).view(torch.int16) + 1).view(torch.float16)  # the next fp16 value in magnitude
+            m.view(-1)[::4] = ((m + up.float()) / 2).view(-1)[::4]  # exact ties between the two
+            masters.append(m)
+            with torch.no_grad():  # ties away from zero: the upper of the two
+                p.copy_(torch.where(m.to(torch.float16).float() == m, m.to(torch.float16), up))
+        assert (params[0].detach() != masters[0].to(torch.float16)).sum() > 0  # torch's cast differs at some ties
+        opt = fusedoff.AdamW(params, lr=LR, weight_decay=0.0, backend="cpu", **placement_options(placement))
+        load_masters(opt, params, masters, through)
+        zero_gradient_step(opt, params)
+        for t, (p, m) in enumerate(zip(params, masters)):
+            assert_bits_equal(opt.state[p]["master_param"].reshape(m.shape), m, f"master {t}")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -287,8 +448,8 @@ def test_a_parameter_given_another_memory_layout_is_refused_before_anything_chan
 @pytest.mark.parametrize("index", [0, 2])
 def test_a_write_right_after_a_step_waits_for_its_copies_back_on_the_simulated_device(optimizer, index):
     """On the simulated device, with no state read between the step and the write (a read waits for
-    the host): taking a streamed master from its parameter waits for the step's copies back into
-    the store first. Same result as the run that read the states in between."""
+    the host): the next step's kernels read the written parameter beside the streamed master. Same
+    result as the run that read the states in between."""
     want = run(optimizer, torch.bfloat16, "simulated", write_copy, index)
     got = run(optimizer, torch.bfloat16, "simulated", write_copy, index, read_before=False)
     assert_runs_equal(got[0], got[1], want[0], want[1])

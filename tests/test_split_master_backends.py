@@ -311,6 +311,99 @@ def test_a_tie_rounds_away_from_zero(backend, precision, op):
         assert torch.equal(got, even[i] + 1), f"{backend}: param {i} is not its tie rounded away from zero"
 
 
+# ---- a written parameter is taken, element by element ---------------------------------------------
+
+
+def written_problems(op: str, dtype: torch.dtype) -> tuple[Problem, Problem]:
+    """Two problems with fp32 masters and `dtype` params that every backend must step alike:
+
+    - "written": every fifth element (from the second) of each param written since the masters'
+      last step (the masters stale, about 3 away); every fifth (from the first) a master at an exact
+      tie whose param is the nearest rounding that fusedoff does not write (torch's cast for bf16,
+      ties away from zero for fp16); the others the masters' rounding;
+    - "clean": the masters those params say (the written values, the tie masters) and their rounding.
+    """
+    clean = make_problem(op, seed=9).with_precision("fp32")
+    written = copy.deepcopy(clean)
+    for i, (m, n) in enumerate(zip(clean.masters, SIZES)):
+        m.copy_(master.param_of_master(m, dtype).float())  # on the param's grid: the ties below are exact
+        gen = torch.Generator().manual_seed(50 + i)
+        if dtype == torch.bfloat16:
+            upper = (m.view(torch.int32)[0::5] & ~0x1FFFF)  # an even upper half
+            m[0::5] = (upper | 0x8000).view(torch.float32)
+            other = m.to(torch.bfloat16)  # nearest even: the upper half, fusedoff rounds away from zero
+        else:
+            below = m.to(torch.float16)
+            up = (below.view(torch.int16) + 1).view(torch.float16)  # the next fp16 value in magnitude
+            m[0::5] = ((m + up.float()) / 2)[0::5]  # exact ties between the two
+            other = torch.where(m.to(torch.float16) == up, below, up)  # at a tie: the one not nearest even
+        clean.params[i] = master.param_of_master(m, dtype)
+        param = clean.params[i].clone()
+        param[0::5] = other[0::5]
+        param[1::5] = (m[1::5] + 3.0 + torch.rand(m[1::5].shape, generator=gen)).to(dtype)
+        written.params[i], written.masters[i] = param, m.clone()
+        clean.masters[i] = torch.where(torch.arange(n) % 5 == 1, param.float(), m)
+        clean.params[i] = master.param_of_master(clean.masters[i], dtype)
+        assert (written.params[i] != clean.params[i]).sum() > (n > 10)  # the ties the run must not take for writes
+    return written, clean
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_written_parameter_is_taken_element_by_element(backend, op, dtype):
+    """An fp32 master is read with its param ([note: every write is seen] in master.h): the step
+    from the written params gives, bit for bit, the step from masters that hold the written values
+    (and the tie masters, kept); three steps, one of them skipped."""
+    written, clean = written_problems(op, dtype)
+    grads = [[g.to(dtype) for g in step] for step in make_grads(9)]
+    assert_same_problem(run(written, backend, grads), run(clean, backend, grads), f"{backend}: ")
+
+
+def masters_and_candidates(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite fp32 masters (normal, subnormal in `dtype`, signed zeros, exact ties of `dtype` and
+    values near its largest) each beside 3 params: torch's cast and the next `dtype` value either
+    side of it in bit pattern (a tie's other nearest rounding is one of them)."""
+    gen = torch.Generator().manual_seed(11)
+    tiny = torch.finfo(dtype).tiny
+    parts = [torch.randn(3000, generator=gen), torch.randn(1000, generator=gen) * tiny,
+             torch.randn(500, generator=gen) * torch.finfo(dtype).max / 4, torch.tensor([0.0, -0.0])]
+    grid = torch.cat(parts).to(dtype)
+    above = (grid.view(torch.int16) + 1).view(dtype)  # the next value in magnitude
+    ties = (grid.double() + above.double()) / 2  # exact in fp32 for bf16 and fp16 neighbours
+    finite = above.isfinite() & ties.isfinite()
+    masters = torch.cat([torch.cat(parts), ties[finite].float()])
+    masters = masters[masters.abs() < torch.finfo(dtype).max]
+    cast = masters.to(dtype).view(torch.int16)
+    candidates = torch.stack([cast - 1, cast, cast + 1]).view(dtype)
+    # (no NaN param, one below a zero: arithmetic on a NaN need not keep its bits on every backend)
+    return masters, torch.where(candidates.isnan(), masters.to(dtype), candidates)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_a_nearest_rounding_keeps_the_master(backend, dtype):
+    """A step that changes no weight (lr 0, no decay, zero gradients) stores the value it started
+    from: the master where the param is one of its nearest roundings (either at a tie, float64
+    distances), else the param. Every backend, the host kernels' 16-lane form included."""
+    masters, candidates = masters_and_candidates(dtype)
+    kept_at_ties = taken = 0
+    for param in candidates:
+        master_param = masters.clone()
+        distance = (masters.double() - param.double()).abs()
+        cast = masters.to(dtype)
+        nearest = (distance == (masters.double() - cast.double()).abs()) & param.isfinite() & cast.isfinite() & (
+            param.view(torch.int16).lt(0) == cast.view(torch.int16).lt(0))
+        want = torch.where(nearest, masters, param.float())
+        n = masters.numel()
+        ops.adam_step_([param.clone()], [torch.zeros(n, dtype=dtype)], [torch.zeros(n)], [torch.zeros(n)], [],
+                       [master_param], [torch.tensor(1.0)], backend=backend, **dict(ADAM, lr=0.0, weight_decay=0.0))
+        assert_same_bits([master_param], [want], f"{backend}: masters")
+        kept_at_ties += (nearest & (param.view(torch.int16) != cast.view(torch.int16))).sum().item()
+        taken += (~nearest).sum().item()
+    assert kept_at_ties > 1000 and taken > 10000
+
+
 # ---- the Triton kernels compiled (no GPU needed) --------------------------------------------------
 
 _COMPILE_FOR_SM90 = r"""

@@ -81,8 +81,8 @@ def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
     for test_file in (ROOT / "tests").glob("*.py"):  # conftest.py and what it imports: cuda tests skip here
         shutil.copy(test_file, scratch / "tests")
     (scratch / "pytest.ini").write_text("[pytest]\n")
-    # The simulated cases of the outside-write tests too: the host reads a streamed master and writes
-    # it back into the store between two steps (Bucket._take_from_param).
+    # The simulated cases of the outside-write tests too: a streamed master's kernel reads the
+    # parameter beside it, and assigned masters are written into the store between two steps.
     test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "tests/test_outside_writes.py",
                            "tests/test_overlap.py",
                            "-k", "not test_outside_writes or simulated", "-c", "pytest.ini", "-x",

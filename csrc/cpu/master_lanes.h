@@ -56,10 +56,14 @@ template <typename P, MasterPrecision M>
 struct MasterVectors {
   static constexpr bool kOn = std::is_same<P, bfloat16_t>::value && M != MasterPrecision::None;
 
-  // The masters of elements i..i+15.
+  // The masters of elements i..i+15 (fp32: or their parameters where written, see [note: every write
+  // is seen] in master.h).
   static FUSEDOFF_AVX512_INLINE Float16Lanes load(const void* master, const uint16_t* param_bits, int64_t i) {
-    if constexpr (M == MasterPrecision::Float32) return as_lanes(_mm512_loadu_ps(static_cast<const float*>(master) + i));
     const Uint16Lanes params = load_u16_lanes(param_bits + i);
+    if constexpr (M == MasterPrecision::Float32) {
+      const Uint16Lanes stored = float_bits(as_lanes(_mm512_loadu_ps(static_cast<const float*>(master) + i)));
+      return bits_float(master_or_bf16_param_lanes(stored, params));
+    }
     if constexpr (M == MasterPrecision::Split16) {
       return bits_float(join_master_lanes(params, load_u16_lanes(static_cast<const uint16_t*>(master) + i)));
     }

@@ -1,6 +1,7 @@
 // The proofs behind [note: split master weights] (master.h), run over every fp32 bit pattern: the
 // split master gives back every master, and the split8 one its stochastic rounding, bit for bit; and
-// the host kernels' 16-lane form of them (MasterVectors, master_lanes.h) gives the scalar form's bits.
+// the host kernels' 16-lane form of them (MasterVectors, master_lanes.h) gives the scalar form's bits;
+// and an fp32 master is kept beside exactly its nearest roundings ([note: every write is seen]).
 #include <omp.h>
 
 #include <cstdint>
@@ -32,6 +33,7 @@ SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_th
         const int64_t distance = static_cast<int64_t>(u & 0x7fffffffu) - (static_cast<int64_t>(param & 0x7fffu) << 16);
         roundings_off += (distance < -0x8000 || distance >= 0x8000) || ((param ^ (u >> 16)) & 0x8000u) != 0;
       }
+
       // "split8": the stochastic rounding comes back from the parameter and 8 bits, within 256 units.
       const float rounded = round_master_split8(master, split8_salt_value);
       const uint32_t r = float_to_bits(rounded);
@@ -54,6 +56,31 @@ SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_th
     }
   }
   return {split_failures, split8_failures, split8_outside_bound, roundings_off};
+}
+
+int64_t written_param_selftest(int num_threads) {
+  int64_t off = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : off)
+  for (int64_t high = 0; high < 65536; ++high) {
+    for (uint32_t low = 0; low < 65536; ++low) {
+      const uint32_t u = (static_cast<uint32_t>(high) << 16) | low;
+      const float master = bits_to_float(u);
+      const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+      // Beside a bf16 parameter within half a bf16 step of it in bit-pattern distance, of its sign
+      // (either nearest rounding at a tie: torch's cast and fusedoff's), the master is kept; beside
+      // any other (the next values either side; for a NaN master, any but its quieted upper half)
+      // the parameter is taken.
+      for (uint32_t k = 0; k < 4; ++k) {
+        const uint16_t candidate = static_cast<uint16_t>((u >> 16) + k - 1u);
+        const int64_t apart = static_cast<int64_t>(u & 0x7fffffffu) - (static_cast<int64_t>(candidate & 0x7fffu) << 16);
+        const bool nearest = nan ? candidate == master_to_bf16_bits(master)
+                                 : ((candidate ^ (u >> 16)) & 0x8000u) == 0 && apart >= -0x8000 && apart <= 0x8000;
+        const uint32_t got = float_to_bits(master_or_param(master, bfloat16_t{candidate}));
+        off += got != (nearest ? u : static_cast<uint32_t>(candidate) << 16);
+      }
+    }
+  }
+  return off;
 }
 
 #if defined(FUSEDOFF_AVX512_LANES)

@@ -294,7 +294,7 @@ __device__ __forceinline__ void load_weights(const void* master, const P* param,
   using S = master_storage_t<M>;
   P param_elems[N];
   S master_elems[N];
-  if constexpr (M != MasterPrecision::Float32) load_stored(param + i, param_elems);  // split: the high half
+  load_stored(param + i, param_elems);  // split: the high half; fp32: the check for a written parameter
   if constexpr (M != MasterPrecision::None) load_stored(static_cast<const S*>(master) + i, master_elems);
 #pragma unroll
   for (int k = 0; k < N; ++k) p[k] = MasterWeight<M, P>::load(master_elems, param_elems, k);

@@ -90,9 +90,45 @@ def round_split8(master: Tensor, salt: Tensor) -> Tensor:
     return codec.bits_float(rounded).reshape(master.shape)
 
 
+def _bits16(t: Tensor) -> Tensor:
+    """The bit patterns of 16-bit `t`, as int64 in [0, 2^16)."""
+    return t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def other_rounding_at_ties(master: Tensor, param: Tensor) -> Tensor:
+    """Where bf16 `param` holds, at a tie of finite fp32 `master` (low half 0x8000), the nearest
+    rounding that is not fusedoff's: the upper half (torch's round to nearest even, where it is even)."""
+    u = _bits(master).reshape(param.shape)
+    upper_half = _bits16(param).reshape(param.shape) == (u >> 16)
+    return ((u & 0xFFFF) == 0x8000) & ((u & 0x7F800000) != 0x7F800000) & upper_half
+
+
+def master_or_param(master: Tensor, param: Tensor) -> Tensor:
+    """master.h's ``master_or_param``: an fp32 `master` where `param` is one of its nearest roundings
+    (bf16: within half a bf16 step in bit pattern, both at a tie, or for a NaN master its quieted
+    upper half; fp16: nearest even, or at a tie the other nearest value), else the parameter's
+    value: a written parameter is taken element by element (see [note: every write is seen] there)."""
+    if master.dtype != torch.float32 or param.dtype not in (torch.bfloat16, torch.float16):
+        return master
+    p = _bits16(param).reshape(master.shape)
+    value = param.to(torch.float32).reshape(master.shape)
+    if param.dtype == torch.bfloat16:
+        u = _bits(master).reshape(master.shape)
+        reference = torch.where(_is_nan_bits(u), ((u >> 16) | 0x0040) << 16, u)
+        keep = ((reference - (p << 16) + 0x8000) & 0xFFFFFFFF) <= 0x10000
+    else:
+        rounded = master.to(torch.float16)
+        rounded_bits = _bits16(rounded).reshape(master.shape)
+        step = p - rounded_bits + 1
+        other_at_tie = ((step == 0) | (step == 2)) & ((value - master) == (master - rounded.to(torch.float32)))
+        keep = (p == rounded_bits) | other_at_tie
+    return torch.where(keep, master, value)
+
+
 def load(master: Tensor, param: Tensor) -> Tensor:
-    """The fp32 value the update starts from: the master as stored (fp32 whole, or split)."""
-    return master if master.dtype.is_floating_point else join(param, master)
+    """The fp32 value the update starts from: the master as stored (fp32 whole, or split; whole: the
+    parameter where it was written, `master_or_param`)."""
+    return master_or_param(master, param) if master.dtype.is_floating_point else join(param, master)
 
 
 def stored(master: Tensor, param: Tensor, value: Tensor, step: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -109,7 +145,8 @@ def stored(master: Tensor, param: Tensor, value: Tensor, step: Tensor) -> list[t
 
 def split(master: Tensor, precision: str) -> Tensor:
     """The stored form, in `precision`, of fp32 `master` (a loaded checkpoint's) beside the parameter
-    that is its rounding: its low 16 bits ("split", exact); "split8": its offset from the parameter
+    that is its rounding (fusedoff's: at a tie, `other_rounding_at_ties` gives no exact split): its
+    low 16 bits ("split", exact); "split8": its offset from the parameter
     rounded to nearest on the 8-bit grid (and kept in the parameter's range, so that the parameter
     stays the rounding of the stored master)."""
     if precision == "fp32":

@@ -117,6 +117,32 @@ def master_to_bf16_bits(value):
 
 
 @triton.jit
+def master_or_bf16_param(u, param_bits):
+    """``master_or_bf16_param_lanes``: the bits the update starts from for fp32 master bits ``u``
+    beside its bf16 param (bits, uint32): ``u`` where the param is one of the master's nearest
+    roundings (a bit-pattern distance of at most 0x8000: both at a tie) or, for a NaN master, its
+    quieted upper half; else the param's (see [note: every write is seen] in master.h)."""
+    reference = tl.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 0x0040) << 16, u)
+    high = param_bits << 16
+    distance = tl.add(tl.sub(reference, high, sanitize_overflow=False), 0x8000, sanitize_overflow=False)
+    return tl.where(distance <= 0x10000, u, high)
+
+
+@triton.jit
+def master_or_fp16_param(master, param):
+    """``master_or_param`` for an fp16 ``param``: ``master`` where the param is its rounding to
+    nearest even or, at a tie, the other nearest fp16 value (the next bit pattern, exactly as far
+    from the master); else the param's value."""
+    rounded = master.to(tl.float16)
+    rounded_bits = rounded.to(tl.uint16, bitcast=True).to(tl.uint32)
+    param_bits = param.to(tl.uint16, bitcast=True).to(tl.uint32)
+    value = param.to(tl.float32)
+    step = tl.add(tl.sub(param_bits, rounded_bits, sanitize_overflow=False), 1, sanitize_overflow=False)
+    other_at_tie = ((step == 0) | (step == 2)) & ((value - master) == (master - rounded.to(tl.float32)))
+    return tl.where((param_bits == rounded_bits) | other_at_tie, master, value)
+
+
+@triton.jit
 def join_master(param_bits, low_bits):
     """``join_master``: the master whose rounding is the bf16 ``param_bits`` and whose low 16 bits are
     ``low_bits`` (both uint32 holding 16 bits)."""
@@ -150,13 +176,19 @@ def round_master_split8(value, salt):
 @triton.jit
 def load_weights(param_ptr, master_ptr, offsets, mask, MASTER: tl.constexpr):
     """``MasterWeight::load``: the fp32 weights the math updates: the master as stored (whole, or
-    joined from the bf16 param and its low bits), else the param upcast.
+    joined from the bf16 param and its low bits; whole: the param where it was written, see
+    ``master_or_bf16_param``), else the param upcast.
 
     Masked-off lanes are undefined (no ``other=``, which keeps triton_adam's code as it was): a
     caller that reduces over the block masks the terms.
     """
     if MASTER == MASTER_FP32:
         p = tl.load(master_ptr + offsets, mask=mask)
+        if param_ptr.dtype.element_ty == tl.bfloat16:
+            param_bits = tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
+            p = master_or_bf16_param(p.to(tl.uint32, bitcast=True), param_bits).to(tl.float32, bitcast=True)
+        elif param_ptr.dtype.element_ty == tl.float16:
+            p = master_or_fp16_param(p, tl.load(param_ptr + offsets, mask=mask))
     elif MASTER == MASTER_SPLIT:
         param_bits = tl.load(param_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
         low = tl.load(master_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)

@@ -7,8 +7,8 @@ the device's StreamPipeline. Either way they are the entries of ``opt.state[p]``
 or views of the host store, never copies), so torch's machinery sees one source of truth.
 
 The bucket follows what ``opt.state`` holds (`adopt`): a missing state starts afresh, an assigned
-tensor is taken by value into its place, an in-place edit is the state itself. It follows what
-the parameters hold too (`adopt_states`, see [note: master weights follow the parameters]).
+tensor is taken by value into its place, an in-place edit is the state itself. The kernels follow
+what the parameters hold (see [note: master weights follow the parameters]).
 
 [note: host cost per tensor] A step's Python work per tensor is what decides the step time of a
 model with many small tensors. What a step needs and that only changes with the tensors
@@ -22,18 +22,15 @@ dropped when they are replaced). Gradients, new tensors at every backward, are t
 [note: master weights follow the parameters] torch's optimizers step from what a parameter holds.
 A master weight (a `follows_param` state) is a more precise copy of its parameter, and the step
 writes the parameter as the master's rounding; anything else that writes the parameter between
-two steps (``copy_``, ``load_state_dict``, ``torch.nn.init``, an EMA swap, ``p.data = ...``) makes
-the master stale. Autograd's version counter counts every in-place write to a tensor and its
-views, and a ``.data`` assignment changes the storage: the bucket remembers both after each step
-(its own writes included) and after it sets a master, and a tensor whose counter or storage moved
-since has its master taken from the parameter before the step, other states kept. One exception
-keeps an exact master exact: where the parameter holds, bit for bit, the master's own rounding
-(the same weights written back, as when a checkpoint's model and optimizer are loaded in either
-order), the master is kept. A master loaded or assigned through ``opt.state`` is held to the same
-rule at the next step. Writes through ``.data`` (``p.data.copy_(w)``) bypass the version counter by
-design of ``.data`` and cannot be seen without reading every parameter: write parameters under
-``torch.no_grad()`` instead (the README says so). A split master (its low bits only, see [note:
-split master weights] in csrc/include/fusedoff/master.h) is not a `follows_param` state: the
+two steps (``copy_``, ``load_state_dict``, ``torch.nn.init``, an EMA swap, ``p.data = ...``,
+``p.data.copy_(w)``) makes the master stale. The kernels see every such write, element by element:
+an fp32 master is read with its parameter, and the update starts from the parameter wherever it is
+not one of the master's nearest roundings (either one at a tie: torch's cast of a loaded master
+is not a write), from the master elsewhere, which keeps it bit for bit (see [note: every write is
+seen] in csrc/include/fusedoff/master.h). The bucket has nothing to watch: no version counter
+(which ``.data`` bypasses) and no host read of a parameter. A master loaded or assigned through
+``opt.state`` is held to the same rule at the next step; a fresh one is a copy of its parameter. A
+split master (its low bits only, see [note: split master weights] there) cannot be checked: the
 parameter is its upper half, so a written parameter carries the master with it, low bits kept; the
 master is the written value plus less than half a bf16 unit in the last place, and the same bits
 written back (a checkpoint, an EMA swap) keep it exact.
@@ -49,7 +46,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fusedoff.kernels.master import param_of_master
 from fusedoff.offload.contract import StateSpec, UpdateArgs
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.plan import Chunk, ChunkPlan
@@ -57,8 +53,6 @@ from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.store import HostStateStore
 from fusedoff.sharding import blocks_touched, global_offset, like_param, local_tensor, shard_groups
 from fusedoff.tensor_layout import check_dense, flat_view
-
-_BITS = {2: torch.int16, 4: torch.int32}
 
 
 @dataclass
@@ -78,9 +72,6 @@ class Bucket:
     sharded: list[bool] = field(init=False)
     # The object last placed in opt.state[p][name] for each tensor (None: none yet).
     placed: dict[str, list[Tensor | None]] = field(init=False)
-    # Per tensor: (versions of the parameter and its local tensor, the local data pointer) when its
-    # master was last known to hold the parameter's value (None: to be checked at the next step).
-    watched: list[tuple[int, int, int] | None] = field(init=False)
     # Per tensor: the parameter's (data pointer, shape, strides) its flat view and states were made for.
     _layouts: list[tuple | None] = field(init=False)
     _flat_params: list[Tensor | None] = field(init=False)
@@ -101,7 +92,6 @@ class Bucket:
         # the fused calls' offsets, so that blocks and random indices are the whole tensor's.
         self.origins = [global_offset(p) or 0 for p in self.params]
         self.placed = {name: [None] * n for name in self.specs}
-        self.watched = [None] * n
         self._layouts = [None] * n
         self._flat_params = [None] * n
         self._flat_states = {name: [None] * n for name in self.specs}
@@ -111,7 +101,6 @@ class Bucket:
         # tensor's chunks: what a forward that reads the tensor waits for when steps overlap it.
         self.chunk_done: dict[int, object] = {}
         self._tensor_chunks: list[list[int]] | None = None
-        self.follows = tuple(name for name, spec in self.specs.items() if spec.follows_param)
 
     @property
     def device(self) -> torch.device:
@@ -182,40 +171,14 @@ class Bucket:
         ones = torch.ones(len(stepping), dtype=counts.dtype, device=counts.device) * stepped
         return functools.partial(counts.index_add_, 0, index, ones)
 
-    def remember_param(self, t: int) -> None:
-        self.watched[t] = _param_mark(self.params[t])
-
-    def remember_params(self, stepping: list[int]) -> None:
-        """After the step has written the parameters: their versions now are the step's own."""
-        if self.follows:
-            for t in stepping:
-                self.remember_param(t)
-
-    def _take_from_param(self, t: int, name: str) -> None:
-        local = local_tensor(self.params[t]).detach()
-        master = local_tensor(self.placed[name][t])
-        bits = _BITS[local.element_size()]
-        if self.resident[t]:
-            # On the device, without a host synchronisation: kept where the parameter holds its rounding.
-            same = (param_of_master(master, local.dtype).view(bits) == local.view(bits)).all()
-            master.copy_(torch.where(same, master, local.to(master.dtype)))
-            return
-        self.before_host_write()  # the previous step's copies back have landed
-        self.runtime.host_access([master], write=False, what=f"{name} of tensor {t} compared with its parameter")
-        on_host = self.runtime.read_to_host(local)  # a parameter on the device: one synchronous copy, at a write only
-        if not torch.equal(param_of_master(master, local.dtype).view(bits), on_host.view(bits)):
-            self.runtime.host_access([master], write=True, what=f"{name} of tensor {t} taken from its parameter")
-            master.copy_(on_host)
-
     # ---- opt.state -----------------------------------------------------------------------------------
     def adopt_states(self, stepping: list[int], state: dict, created: list[Tensor]) -> list[Tensor]:
         """``opt.state[params[t]]`` of each stepping tensor (read without waiting for the host: inside
-        the step) made to hold this bucket's tensors, and master weights of parameters written since
-        the bucket last saw them taken from the parameters (see [note: master weights follow the
-        parameters]); returns their step counts. A new or reset state (``del opt.state[p]``) starts
-        afresh, every state with it, as in torch. The parameters whose ``opt.state`` entry this made
-        are added to `created` (a step that fails before its changes takes them back)."""
-        params, placed, watched, follows = self.params, tuple(self.placed.items()), self.watched, self.follows
+        the step) made to hold this bucket's tensors; returns their step counts. A new or reset state
+        (``del opt.state[p]``) starts afresh, every state with it, as in torch. The parameters whose
+        ``opt.state`` entry this made are added to `created` (a step that fails before its changes
+        takes them back)."""
+        params, placed = self.params, tuple(self.placed.items())
         views = self._step_views
         steps = []
         for t in stepping:
@@ -241,10 +204,6 @@ class Bucket:
                 if value is None or value is not objects[t]:
                     self.adopt(t, values)
                     break
-            if follows and watched[t] != _param_mark(param):
-                for name in follows:
-                    self._take_from_param(t, name)
-                self.remember_param(t)
         return steps
 
     def adopt(self, t: int, state: dict) -> None:
@@ -268,12 +227,9 @@ class Bucket:
             if value is not None and (value.dtype != spec.dtype if spec.dtype != torch.float32
                                       else not value.is_floating_point()):
                 raise ValueError(f"state {name!r} is kept as {spec.dtype}, got a {value.dtype} tensor")
-            if spec.follows_param:  # a fresh master is the parameter; an assigned one is checked at the step
-                self.watched[t] = None
+            # A fresh master is the parameter; an assigned one is checked against it by the kernels.
             if self.resident[t]:
                 state[name] = placed[name][t] = self._resident_state(spec, param, value)
-                if value is None and spec.follows_param:
-                    self.remember_param(t)
                 continue
             local_param = local_tensor(param)
             # The state has the parameter's strides: the store holds it in the parameter's memory order.
@@ -287,7 +243,6 @@ class Bucket:
             if value is None:
                 if spec.follows_param:
                     shaped.copy_(local_param.detach())
-                    self.remember_param(t)
                 else:
                     shaped.zero_()
             else:
@@ -408,14 +363,6 @@ class Bucket:
                 offsets=[self.origins[p.tensor] + p.tensor_offset for p in pieces],
             ))
         return calls
-
-
-def _param_mark(param: Tensor) -> tuple[int, int, int]:
-    """What moves when something writes `param`: its version counter and its local tensor's (a
-    DTensor's own in-place ops count on the DTensor, the kernels' writes on its local tensor), and
-    its local storage (``p.data = ...``)."""
-    local = local_tensor(param)
-    return param._version, local._version, local.data_ptr()
 
 
 def _dtypes(grads: list[Tensor]) -> tuple:

@@ -311,8 +311,6 @@ class OffloadEngine:
                 self._settle_after()
                 raise StepIncompleteError(self.incomplete) from error
             self.steps_taken += 1  # (before a held interrupt is raised: the step is whole)
-            for run in runs:
-                run.bucket.remember_params(run.stepping)
             self._link_last_step = self.link_total - link_before
             self._streamed_last_step = sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of)
 

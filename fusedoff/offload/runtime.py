@@ -20,7 +20,7 @@ writes gradients there, the next forward reads parameters there). `host_access` 
 tell the runtime about such accesses; only the simulator records them.
 
 Every byte the engine moves between host memory and a device goes through the base class's counted
-copies (`copy_to_device`, `copy_to_host`, `read_to_host`), so each runtime counts alike what it
+copies (`copy_to_device`, `copy_to_host`), so each runtime counts alike what it
 copies each way in `link`; `memory_stats()` reports it (per step, in total, per parameter).
 """
 
@@ -72,12 +72,6 @@ class Runtime:
         """`copy` from the device buffer `src` into host memory `dst`, counted in `link`."""
         self.link.to_host += dst.numel() * dst.element_size()
         self.copy(stream, dst, src)
-
-    def read_to_host(self, tensor: Tensor) -> Tensor:
-        """`tensor` copied to host memory now, synchronously (a parameter written from outside the
-        step, read to set its streamed master), counted in `link`."""
-        self.link.to_host += tensor.numel() * tensor.element_size()
-        return tensor.to("cpu")
 
     # streams and events
     def new_stream(self):

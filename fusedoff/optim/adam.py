@@ -282,9 +282,10 @@ class AdamW(Adam):
             "triton" or "torch" (pure PyTorch).
         master_weights: keep fp32 master weights for fp16/bf16 parameters (the kernel updates the
             master and writes the rounded value to the parameter). None means True for fp16/bf16
-            parameters. The master follows the parameter: a parameter written between steps
-            (``copy_``, ``load_state_dict``, ``torch.nn.init``, ``p.data = ...``) is where the
-            next step starts (see the README). fp16/bf16 gradients are upcast inside the kernel.
+            parameters. The master follows the parameter: an element written between steps
+            (``copy_``, ``load_state_dict``, ``torch.nn.init``, ``p.data = ...``,
+            ``p.data.copy_(w)``) is where the next step starts (see the README). fp16/bf16
+            gradients are upcast inside the kernel.
         master_precision: how master weights are stored: "fp32" (default) whole; "split" their low 16
             bits only, the bf16 parameter being their upper half (2 bytes per parameter instead of 4,
             every result bit for bit those of "fp32"); "split8" 8 bits (1 byte; the master rounded

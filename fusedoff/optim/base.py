@@ -163,6 +163,15 @@ class FusedOptimizer(Optimizer):
         fp32 = value.to(torch.float32) if value.is_floating_point() else masters.join(local, local_tensor(value))
         out = {k: v for k, v in state.items() if k not in MASTER_NAMES}
         out[spec.name] = fp32 if precision == "fp32" else masters.split(fp32, precision)
+        if precision != "fp32":
+            # A parameter cast by torch from this master (ties to even) holds, at a tie, the other
+            # nearest rounding, beside which no low bits give the master back (a bf16 unit short): it
+            # takes fusedoff's (ties away from zero), beside which they do. A parameter that is no
+            # rounding of the master is left as it is (load the model first).
+            here = local_tensor(fp32).to(local.device)
+            ties = masters.other_rounding_at_ties(here, local)
+            if bool(ties.any()):
+                local.copy_(torch.where(ties, masters.param_of_master(here, local.dtype).reshape(local.shape), local))
         return out
 
     def _check_group_options(self, group: dict) -> None:

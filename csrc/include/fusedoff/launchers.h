@@ -32,6 +32,11 @@ struct SplitMasterSelftest {
 };
 SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads);
 
+// The count of (fp32 master, bf16 parameter) pairs, over every master and the 4 parameters around
+// its upper half, where master.h's `master_or_param` keeps the master beside a parameter that is
+// not one of its nearest roundings, or takes one that is (see [note: every write is seen]).
+int64_t written_param_selftest(int num_threads);
+
 // Counts of the fp32 bit patterns for which the host kernels' 16-lane split and split8 masters
 // (cpu/master_lanes.h: parameter and low bits stored, master joined back) differ from master.h's
 // scalar ones; `checked` is false where the CPU or compiler has no AVX-512 form (nothing to compare).

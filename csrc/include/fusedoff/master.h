@@ -25,6 +25,21 @@
 // fp16 parameters cannot be split: an fp16 value near zero is the rounding of up to 2^30 fp32
 // values (its subnormals and zero cover many fp32 binades), so "split" refuses them.
 //
+// [note: every write is seen]
+// A step writes each parameter as its master's rounding, so a parameter that is not one of its
+// master's nearest roundings was written since by something else (`copy_`, `load_state_dict`, an EMA
+// swap, `p.data.copy_(w)`, which no version counter sees). The update starts, element by element,
+// from the master where the parameter is one of its nearest roundings, and from the parameter
+// elsewhere (`master_or_param`): every write is taken whatever made it, and an unwritten master is
+// kept bit for bit. Either nearest rounding counts at a tie (fusedoff's ties away from zero, which a
+// step writes, and torch's ties to even, which `.to(torch.bfloat16)` of a loaded master gives), so
+// a parameter cast by torch from its master is never taken for a write. The check costs a read of
+// the parameter beside the master (2 bytes per element, where the parameter lives; nothing more
+// crosses the link to a streamed master). A split master ("split", "split8") cannot be checked:
+// the parameter is its upper half, so every parameter with any low bits is a valid split master. A
+// written element keeps its low bits: its master is the written value plus less than half a bf16
+// unit in the last place (the written value is its rounding), as before the write was seen.
+//
 // "split8": the master, rounded stochastically to a multiple of 256 in its bit pattern (15 stored
 // mantissa bits, unbiased: it rounds up with probability low8 / 256), is then split exactly as above
 // and its bits 8-15 stored. Per step the stored master is within 256 units in the last place of the
@@ -58,6 +73,19 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U master_to_bf16_lanes(U u) {
 }
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t master_to_bf16_bits(float value) {
   return static_cast<uint16_t>(master_to_bf16_lanes(float_to_bits(value)));
+}
+
+// The bits the update starts from for an fp32 master with bits `u` beside its bf16 parameter `param`
+// (see [note: every write is seen]): `u` where the parameter is one of the master's nearest roundings,
+// within half a bf16 step of it and of its sign (a bit-pattern distance of at most 0x8000, which
+// takes in both at a tie), or for a NaN master its quieted upper half; else the parameter's value.
+// (One comparison on a distance: GCC 12 turns a vector select whose condition is the `|` or `&` of
+// comparisons into scalar code.)
+template <typename U>
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE U master_or_bf16_param_lanes(U u, U param) {
+  const U reference = (u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x0040u) << 16 : u;
+  const U high = param << 16;
+  return reference - high + 0x8000u <= 0x10000u ? u : high;  // mod 2^32: distances -0x8000..0x8000
 }
 
 // The bits of the master whose rounding is the bf16 `param_bits` and whose low 16 bits are `low_bits`.
@@ -99,19 +127,38 @@ FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(bfloat16_t* p, f
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(half_t* p, float v) { store_float(p, v); }
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE void store_param_of_master(float* p, float v) { *p = v; }
 
+// The value the update starts from for an fp32 master beside parameter `p` (see [note: every write
+// is seen]). fp16: the master where `p` is its rounding to nearest even or, at a tie, the other
+// nearest fp16 value (the next bit pattern either way, of the same sign, exactly as far from the
+// master: the differences are exact, both values being within a factor of 2 of the master or
+// subnormal); else `p`. An fp32 parameter has no rounding to check (and no master in the optimizers).
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float master_or_param(float master, const bfloat16_t& p) {
+  return bits_to_float(master_or_bf16_param_lanes<uint32_t>(float_to_bits(master), p.bits));
+}
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float master_or_param(float master, const half_t& p) {
+  const uint32_t rounded = float_to_half_bits(master);
+  const float value = half_bits_to_float(p.bits);
+  const uint32_t apart = static_cast<uint32_t>(p.bits) - rounded + 1u;  // 0 or 2: the next bit pattern
+  const float nearest_even = half_bits_to_float(static_cast<uint16_t>(rounded));
+  const bool other_at_tie = (apart == 0u || apart == 2u) && value - master == master - nearest_even;
+  return (p.bits == rounded || other_at_tie) ? master : value;
+}
+FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float master_or_param(float master, const float&) { return master; }
+
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const bfloat16_t& p) { return p.bits; }
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const half_t& p) { return p.bits; }
 FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE uint16_t storage_bits(const float&) { return 0; }  // never split
 
 // Element i of a parameter of storage type P and its master weight stored as M: `load` is the fp32
-// value the update starts from, `store` writes the updated value to both. `master` points at the
+// value the update starts from (an fp32 master, or the parameter where it was written: see [note:
+// every write is seen]), `store` writes the updated value to both. `master` points at the
 // master's storage (float, or the uint16/uint8 low bits), null with None. `salt`: split8_salt.
 // `Split8Lane`: the type a split8 master's byte is held in (the host kernels widen it, see
 // csrc/cpu/master_lanes.h).
 template <MasterPrecision M, typename P, typename Split8Lane = uint8_t>
 struct MasterWeight {
   static FUSEDOFF_HOST_DEVICE FUSEDOFF_INLINE float load(const void* master, const P* param, int64_t i) {
-    if (M == MasterPrecision::Float32) return static_cast<const float*>(master)[i];
+    if (M == MasterPrecision::Float32) return master_or_param(static_cast<const float*>(master)[i], param[i]);
     if (M == MasterPrecision::Split16) return join_master(storage_bits(param[i]), static_cast<const uint16_t*>(master)[i]);
     if (M == MasterPrecision::Split8) {
       const uint32_t low = static_cast<uint32_t>(static_cast<const Split8Lane*>(master)[i]) << 8;
