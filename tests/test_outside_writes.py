@@ -23,7 +23,7 @@ import torch
 
 import fusedoff
 from fusedoff.kernels.master import param_of_master
-from tests.helpers import device_of
+from tests.helpers import ParameterListModel, device_of
 
 SHAPES = ((33, 7), (33,), (5, 33), (5,))
 LR = 1e-2
@@ -52,12 +52,8 @@ def make_optimizer(optimizer: str, params, placement: str):
     return fusedoff.AdamW(params, lr=LR, weight_decay=0.1, backend="cpu", **where)
 
 
-class Model(torch.nn.Module):
-    def __init__(self, dtype):
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.weights = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in SHAPES)
+def Model(dtype) -> ParameterListModel:  # noqa: N802 (a model, as tests build it)
+    return ParameterListModel(SHAPES, dtype)
 
 
 def gradients(step: int, dtype):
@@ -311,6 +307,34 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
             either = (p.detach().view(torch.int16).long() & 0xFFFF == torch_cast) | (
                 ((u & 0xFFFF) == 0x8000) & (p.detach().view(torch.int16).long() & 0xFFFF == (u >> 16) + 1))
             assert either.all(), f"parameter {t} is not a nearest rounding of its master"
+
+
+def test_a_split_load_refused_after_its_ties_were_found_leaves_the_parameters_as_they_were(monkeypatch):
+    """The parameter at a tie takes fusedoff's rounding only once every loaded state has converted:
+    a load that fails at a later tensor leaves every parameter bit for bit."""
+    model = Model(torch.bfloat16)
+    params = list(model.weights)
+    masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m.to(torch.bfloat16))
+    before = [p.detach().clone() for p in params]
+    opt = fusedoff.AdamW(params, lr=LR, weight_decay=0.0, backend="cpu", master_precision="split")
+    convert = type(opt)._loaded_states
+
+    def fails_at_the_last(self, group, param, state):
+        if param is params[-1]:
+            raise ValueError("a state that cannot be converted")
+        return convert(self, group, param, state)
+
+    monkeypatch.setattr(type(opt), "_loaded_states", fails_at_the_last)
+    with pytest.raises(ValueError, match="cannot be converted"):
+        load_masters(opt, params, masters, "load_state_dict")
+    for t, (p, b) in enumerate(zip(params, before)):
+        assert_bits_equal(p.detach(), b, f"parameter {t}")
+    monkeypatch.undo()
+    load_masters(opt, params, masters, "load_state_dict")  # the same load, converted: the ties move
+    assert any(not torch.equal(p.detach().view(torch.int16), b.view(torch.int16)) for p, b in zip(params, before))
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -53,6 +53,11 @@ def state_specs(states: Iterable[str | StateSpec]) -> tuple[StateSpec, ...]:
     return tuple(s if isinstance(s, StateSpec) else StateSpec(s) for s in states)
 
 
+# A loaded state (`OptimizerRules._loaded_states`) may hold, under this key, the value its parameter's
+# local tensor takes once every loaded state has converted: the load changes nothing if one cannot.
+LOADED_PARAM_VALUE = "fusedoff: the parameter's value at load"
+
+
 @dataclass(frozen=True)
 class Phase:
     name: str
@@ -108,7 +113,8 @@ class OptimizerRules(Protocol):
         """Raises if `param` cannot be stepped with `group`'s options."""
 
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
-        """A loaded state in the form `group` keeps; raises before anything changes if it cannot be."""
+        """A loaded state in the form `group` keeps (and, under `LOADED_PARAM_VALUE`, a value for the
+        parameter where the form needs one); raises, changing nothing, if it cannot be."""
 
     def _resolve_backend(self, group: dict, device: torch.device) -> str:
         """The backend a bucket of `group` on `device` runs (chosen once per bucket)."""

@@ -34,7 +34,7 @@ from torch import Tensor
 from fusedoff.offload import placement
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.gradients import checked_flat_grads
-from fusedoff.offload.contract import FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
+from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
@@ -511,6 +511,10 @@ class OffloadEngine:
                 values = dict.get(state, p)
                 if values:
                     converted[p] = dict(rules._loaded_states(group, p, values))
+        for p, values in converted.items():  # every state converted: the parameters a form needs changed
+            value = values.pop(LOADED_PARAM_VALUE, None)
+            if value is not None:
+                local_tensor(p).detach().copy_(value)
         # (wait_host above waited for every chunk's copies back, after their computation: nothing the
         # main stream runs from now on can see the old buckets' chunks unfinished)
         forward_order = self.forward_order

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from fusedoff.backends import backend_named, resolve_backend
 from fusedoff.kernels import master as masters
 from fusedoff.offload import OffloadEngine
-from fusedoff.offload.contract import FusedUpdate, StateSpec
+from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, StateSpec
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
@@ -166,12 +166,13 @@ class FusedOptimizer(Optimizer):
         if precision != "fp32":
             # A parameter cast by torch from this master (ties to even) holds, at a tie, the other
             # nearest rounding, beside which no low bits give the master back (a bf16 unit short): it
-            # takes fusedoff's (ties away from zero), beside which they do. A parameter that is no
-            # rounding of the master is left as it is (load the model first).
+            # takes fusedoff's (ties away from zero), beside which they do, once every loaded state has
+            # converted. A parameter that is no rounding of the master is left as it is (load the model first).
             here = local_tensor(fp32).to(local.device)
             ties = masters.other_rounding_at_ties(here, local)
             if bool(ties.any()):
-                local.copy_(torch.where(ties, masters.param_of_master(here, local.dtype).reshape(local.shape), local))
+                out[LOADED_PARAM_VALUE] = torch.where(
+                    ties, masters.param_of_master(here, local.dtype).reshape(local.shape), local)
         return out
 
     def _check_group_options(self, group: dict) -> None:
