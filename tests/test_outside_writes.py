@@ -52,10 +52,6 @@ def make_optimizer(optimizer: str, params, placement: str):
     return fusedoff.AdamW(params, lr=LR, weight_decay=0.1, backend="cpu", **where)
 
 
-def Model(dtype) -> ParameterListModel:  # noqa: N802 (a model, as tests build it)
-    return ParameterListModel(SHAPES, dtype)
-
-
 def gradients(step: int, dtype):
     generator = torch.Generator().manual_seed(100 + step)
     return [torch.randn(shape, generator=generator).to(dtype) for shape in SHAPES]
@@ -107,7 +103,7 @@ def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, r
     one more step. Returns the model, the optimizer, the states just before the last step and the
     written value."""
     with device_of(placement):
-        model = Model(dtype)
+        model = ParameterListModel(SHAPES, dtype)
         params = list(model.weights)
         opt = make_optimizer(optimizer, params, placement)
         for step in range(STEPS_BEFORE + 1):
@@ -288,7 +284,7 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
     decay) keeps every master bit for bit, ties included; a parameter at a tie may take fusedoff's
     rounding (ties away from zero), the other nearest one."""
     with device_of(placement):
-        model = Model(torch.bfloat16)
+        model = ParameterListModel(SHAPES, torch.bfloat16)
         params = list(model.weights)
         masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
         with torch.no_grad():
@@ -312,7 +308,7 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
 def test_a_split_load_refused_after_its_ties_were_found_leaves_the_parameters_as_they_were(monkeypatch):
     """The parameter at a tie takes fusedoff's rounding only once every loaded state has converted:
     a load that fails at a later tensor leaves every parameter bit for bit."""
-    model = Model(torch.bfloat16)
+    model = ParameterListModel(SHAPES, torch.bfloat16)
     params = list(model.weights)
     masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
     with torch.no_grad():
@@ -343,7 +339,7 @@ def test_an_fp16_parameter_rounded_away_at_a_tie_keeps_its_master(placement, thr
     """fp16 parameters rounded to nearest with ties away from zero (another tool's cast) beside fp32
     masters with exact fp16 ties: the other nearest rounding, not a write; every master is kept."""
     with device_of(placement):
-        model = Model(torch.float16)
+        model = ParameterListModel(SHAPES, torch.float16)
         params = list(model.weights)
         masters = []
         for t, p in enumerate(params):
@@ -376,7 +372,7 @@ def test_a_write_of_the_same_bits_keeps_the_master_exactly(placement, optimizer)
 def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, order, through, tmp_path):
     dtype = torch.bfloat16
     with device_of(placement):
-        model = Model(dtype)
+        model = ParameterListModel(SHAPES, dtype)
         opt = make_optimizer("AdamW", list(model.weights), placement)
 
         def train(model, opt, steps):
@@ -397,7 +393,7 @@ def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, o
             saved_model, saved_opt = loaded["model"], loaded["optimizer"]
         train(model, opt, range(3, 6))
 
-        resumed = Model(dtype)
+        resumed = ParameterListModel(SHAPES, dtype)
         with torch.no_grad():
             for p in resumed.weights:
                 p.add_(1.0)  # other weights than the checkpoint's, until it is loaded
@@ -421,13 +417,13 @@ def test_a_loaded_master_that_is_not_the_parameter_follows_the_parameter(placeme
     """An optimizer checkpoint loaded into a model holding other weights: the model's weights win."""
     dtype = torch.bfloat16
     with device_of(placement):
-        model = Model(dtype)
+        model = ParameterListModel(SHAPES, dtype)
         opt = make_optimizer("AdamW", list(model.weights), placement)
         for p, g in zip(model.weights, gradients(0, dtype)):
             p.grad = g
         opt.step()
         saved = opt.state_dict()
-        other = Model(dtype)
+        other = ParameterListModel(SHAPES, dtype)
         with torch.no_grad():
             for p in other.weights:
                 p.mul_(-1.0)
@@ -447,7 +443,7 @@ def test_a_parameter_given_another_memory_layout_is_refused_before_anything_chan
     one of the same shape but other strides cannot take them over silently."""
     dtype = torch.bfloat16
     with device_of(placement):
-        model = Model(dtype)
+        model = ParameterListModel(SHAPES, dtype)
         params = list(model.weights)
         opt = make_optimizer("AdamW", params, placement)
         for p, g in zip(params, gradients(0, dtype)):
