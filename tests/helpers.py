@@ -238,3 +238,19 @@ class ParameterListModel(torch.nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes)
+
+
+def spawn_ranks(worker, world: int, *args, saved: str = "results.pt"):
+    """Runs ``worker(rank, port, folder, *args)`` on `world` processes (a gloo group's rendezvous on
+    a free port, `folder` a temporary one) and returns what they saved there as `saved` (rank 0's
+    file; with "{rank}" in the name, every rank's, in rank order)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(free_port(), folder, *args), nprocs=world, join=True)
+        if "{rank}" in saved:
+            return [torch.load(os.path.join(folder, saved.format(rank=r)), weights_only=False) for r in range(world)]
+        return torch.load(os.path.join(folder, saved), weights_only=False)

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fusedoff
-from tests.helpers import free_port
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -372,9 +370,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(free_port(), folder), nprocs=WORLD, join=True)
-        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+    return spawn_ranks(_worker, WORLD)
 
 
 # ---- the tests ---------------------------------------------------------------------------------

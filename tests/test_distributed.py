@@ -14,17 +14,15 @@ results the tests below read.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
 from fusedoff.sharding import local_tensor
-from tests.helpers import free_port
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -233,9 +231,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(free_port(), folder), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, saved="rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -414,9 +410,7 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_fsdp2_streamed_states_stay_on_the_host_and_checkpoint():
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_cuda_worker, args=(free_port(), folder), nprocs=1, join=True)
-        results = torch.load(os.path.join(folder, "cuda.pt"), weights_only=False)
+    results = spawn_ranks(_cuda_worker, 1, saved="cuda.pt")
     for precision, result in results.items():
         assert result["on_host"], precision
         assert max_error(result["resumed"], result["continued"]) == 0, precision

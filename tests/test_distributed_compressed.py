@@ -19,16 +19,14 @@ mesh of its own), one into two, and an unsharded optimizer's into two.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fusedoff
 from fusedoff.kernels import codec
-from tests.helpers import free_port
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -302,9 +300,7 @@ def train_columns(precision: str, mesh=None, steps: int = STEPS):
 
 
 def spawned(world: int) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(free_port(), folder, world), nprocs=world, join=True)
-        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+    return spawn_ranks(_worker, world, world)
 
 
 @pytest.fixture(scope="module")

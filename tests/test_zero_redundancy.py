@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fusedoff
-from tests.helpers import free_port
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -93,9 +91,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(free_port(), folder), nprocs=WORLD, join=True)
-        return torch.load(os.path.join(folder, "results.pt"), weights_only=False)
+    return spawn_ranks(_worker, WORLD)
 
 
 @pytest.mark.parametrize("precision,placement", CASES)
