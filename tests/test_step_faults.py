@@ -57,9 +57,9 @@ class Run:
         if placement == "resident":
             where = dict(offload="none")
         elif placement == "mixed":  # greedily in order: (33,) and () resident, the others streamed
-            where = dict(offload="stream", chunk_size=128, device_budget=600)
+            where = dict(offload="stream", chunk_size=256, device_budget=600)
         else:
-            where = dict(offload="stream", chunk_size=128)
+            where = dict(offload="stream", chunk_size=256)
         if optimizer == "Apollo":
             self.opt = fusedoff.Apollo(params, lr=1e-2, warmup=2, backend="cpu", **where)
         else:
