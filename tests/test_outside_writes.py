@@ -256,6 +256,16 @@ def masters_with_ties(shape, seed: int) -> torch.Tensor:
     return values
 
 
+def params_cast_by_torch_from_masters_with_ties() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """bf16 parameters of SHAPES cast by torch (ties to even) from fp32 masters with ties, and the masters."""
+    params = list(ParameterListModel(SHAPES, torch.bfloat16).weights)
+    masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m.to(torch.bfloat16))
+    return params, masters
+
+
 def load_masters(opt, params, masters, through: str) -> None:
     """`masters` as the fp32 ``master_param`` of `params` beside zero moments, through torch's state
     dict form or assigned through ``opt.state`` (with a step count: a state without one starts afresh)."""
@@ -284,12 +294,7 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
     decay) keeps every master bit for bit, ties included; a parameter at a tie may take fusedoff's
     rounding (ties away from zero), the other nearest one."""
     with device_of(placement):
-        model = ParameterListModel(SHAPES, torch.bfloat16)
-        params = list(model.weights)
-        masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                p.copy_(m.to(torch.bfloat16))
+        params, masters = params_cast_by_torch_from_masters_with_ties()
         opt = fusedoff.AdamW(params, lr=LR, weight_decay=0.0, backend="cpu", master_precision=precision,
                              **placement_options(placement))
         load_masters(opt, params, masters, through)
@@ -308,12 +313,7 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
 def test_a_split_load_refused_after_its_ties_were_found_leaves_the_parameters_as_they_were(monkeypatch):
     """The parameter at a tie takes fusedoff's rounding only once every loaded state has converted:
     a load that fails at a later tensor leaves every parameter bit for bit."""
-    model = ParameterListModel(SHAPES, torch.bfloat16)
-    params = list(model.weights)
-    masters = [masters_with_ties(p.shape, seed=20 + t) for t, p in enumerate(params)]
-    with torch.no_grad():
-        for p, m in zip(params, masters):
-            p.copy_(m.to(torch.bfloat16))
+    params, masters = params_cast_by_torch_from_masters_with_ties()
     before = [p.detach().clone() for p in params]
     opt = fusedoff.AdamW(params, lr=LR, weight_decay=0.0, backend="cpu", master_precision="split")
     convert = type(opt)._loaded_states
