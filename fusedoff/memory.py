@@ -18,7 +18,7 @@ Two halves that meet in one table:
 components present in it is the activations (and temporaries) of that phase.
 
 Step counters (one 4-byte scalar per tensor) are left out of every prediction. fusedoff's state
-bytes come from the classes' own storage specs (``adam_state_specs``: fp32, bf16 or 8-bit moments)
+bytes come from the classes' own stored forms (fusedoff/formats.py: fp32, bf16 or 8-bit moments)
 and the offload engine's own rules (host alignment, buffer sets), so the prediction is the bytes
 ``memory_stats()`` reports.
 """
@@ -38,10 +38,11 @@ from torch import Tensor, nn
 from fusedoff.offload.engine import OffloadEngine
 from fusedoff.offload.plan import round_up
 from fusedoff.offload.runtime import LinkBytes
-from fusedoff.offload.contract import StateSpec, state_specs
-from fusedoff.optim.adam import Adam, AdamW, _check_precision, adam_state_specs
+from fusedoff.formats import check_master_options, check_master_param
+from fusedoff.offload.contract import StateSpec
+from fusedoff.optim.adam import Adam, AdamW
 from fusedoff.optim.apollo import Apollo
-from fusedoff.optim.base import check_master_options, keeps_master, master_spec
+from fusedoff.optim.base import keeps_master, master_spec
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -65,8 +66,8 @@ PRESENT = {
 }
 
 SETUPS = ("fusedoff", "plain", "upcast")
-OPTIMIZERS = ("adamw", "adam", "apollo")
-APOLLO_STATES = ("exp_avg_grad", "approx_hessian", "update")  # fp32, one value per element
+_CLASSES = {"adamw": AdamW, "adam": Adam, "apollo": Apollo}
+OPTIMIZERS = tuple(_CLASSES)
 MIB = 2**20
 
 
@@ -207,18 +208,16 @@ def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool
         kept = "in the parameters' dtype" if setup == "plain" else "in fp32"
         raise ValueError(f"state_precision={state_precision!r} is a fusedoff option: setup={setup!r} keeps its "
                          f"states {kept} (state_precision='fp32')")
-    if optimizer == "apollo":
-        if state_precision != "fp32":
-            raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}")
-        return state_specs(APOLLO_STATES)
-    _check_precision(state_precision, 0, amsgrad)
-    return adam_state_specs(state_precision, amsgrad)
+    cls = _CLASSES[optimizer]
+    group = {"state_precision": state_precision, "amsgrad": amsgrad}
+    cls._check_state_options(group)
+    return cls._state_specs(group)
 
 
 def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dict) -> Callable:
     """names -> the phases the optimizer class declares for a bucket keeping states `names` (its own
     `_fused_update`, asked of an instance on a meta tensor: nothing is allocated)."""
-    cls = {"adamw": AdamW, "adam": Adam, "apollo": Apollo}[optimizer]
+    cls = _CLASSES[optimizer]
     if optimizer != "apollo":
         options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
     opt = cls([torch.empty(1, device="meta")], **{"lr": 1e-3, **options})
@@ -239,8 +238,8 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, master_pre
     buckets: dict[tuple, list[Tensor]] = {}
     for p in params:
         master = keeps_master(p.dtype, master_weights)
-        if master and master_precision != "fp32" and p.dtype != torch.bfloat16:
-            raise ValueError(f"master_precision={master_precision!r} needs bfloat16 parameters, got {p.dtype}")
+        if master:
+            check_master_param(master_precision, p.dtype)
         buckets.setdefault((p.dtype, master), []).append(p)
     kept = [specs + ((master_spec(master_precision),) if master else ()) for _, master in buckets]
     flags, buffers = engine.predict_placement([(k, [p.numel() for p in members])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusedoff import ops
+from fusedoff.formats import Role
 from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
 from fusedoff.optim.base import MASTER_NAMES, FusedOptimizer, master_states
@@ -61,7 +62,7 @@ class Apollo(FusedOptimizer):
                  master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
                  num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32",
                  master_precision: str = "fp32") -> None:
-        _refuse_compressed(state_precision)
+        self._check_state_options({"state_precision": state_precision})
         if not 0.0 < lr:
             raise ValueError(f"Invalid learning rate value: {lr}")
         if not 0.0 <= eps:
@@ -92,17 +93,15 @@ class Apollo(FusedOptimizer):
         super()._register_hooks()
         self.register_state_dict_post_hook(Apollo._steps_as_ints, prepend=True)
 
-    def _state_names(self, group: dict) -> tuple[str, ...]:
-        return ("exp_avg_grad", "approx_hessian", "update")
+    # Compressed Apollo states: see `why_not_other_precisions`.
+    why_not_other_precisions = (": compressed Apollo states are not implemented (its curvature B and update d feed "
+                                "whole-tensor sums every step, and no quality check has been run for them "
+                                "compressed); fusedoff.AdamW and fusedoff.Adam take 'bf16' and '8bit'")
 
-    def _check_group_options(self, group: dict) -> None:
-        super()._check_group_options(group)
-        _refuse_compressed(group.get("state_precision", "fp32"))
-
-    def add_param_group(self, param_group: dict) -> None:
-        if isinstance(param_group, dict):
-            self._check_group_options(param_group)
-        super().add_param_group(param_group)
+    @classmethod
+    def _state_roles(cls, group: dict) -> dict[str, Role]:
+        # (kept in fp32 only: a role would choose the 8-bit map of a compressed form)
+        return {"exp_avg_grad": Role.SIGNED_MOMENT, "approx_hessian": Role.SIGNED_MOMENT, "update": Role.SIGNED_MOMENT}
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         hyper = ApolloHyperparameters(lr=group["lr"], base_lr=group["base_lr"], init_lr=group["init_lr"],
@@ -151,10 +150,3 @@ class Apollo(FusedOptimizer):
         }
         return state_dict
 
-
-def _refuse_compressed(state_precision: str) -> None:
-    if state_precision != "fp32":
-        raise ValueError(f"fusedoff.Apollo keeps fp32 states only, got state_precision={state_precision!r}: "
-                         "compressed Apollo states are not implemented (its curvature B and update d feed "
-                         "whole-tensor sums every step, and no quality check has been run for them compressed); "
-                         "fusedoff.AdamW and fusedoff.Adam take 'bf16' and '8bit'")

@@ -16,45 +16,30 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from fusedoff import formats
 from fusedoff.backends import backend_named, resolve_backend
-from fusedoff.kernels import master as masters
+from fusedoff.formats import MASTER, Role, StoredForm, check_master_options
+from fusedoff.kernels import codec
 from fusedoff.offload import OffloadEngine
-from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, StateSpec
+from fusedoff.offload.contract import FusedUpdate, StateSpec
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
 from fusedoff.optim.state import OptimizerState
 from fusedoff.optim.validation import LOW_PRECISION, TORCH_FLAGS, check_group, check_torch_flags
-from fusedoff.sharding import like_param, local_tensor
 
-MASTER = StateSpec("master_param", follows_param=True)
-# A split master weight: its low bits beside the bf16 parameter (see [note: split master weights] in
-# csrc/include/fusedoff/master.h). It does not follow the parameter: the parameter *is* its upper
-# half, so a written parameter moves the master with it, keeping the low bits.
-MASTER_LOW_BITS = {"split": "master_low_bits", "split8": "master_low_byte"}  # int16, uint8
-MASTER_NAMES = (MASTER.name, *MASTER_LOW_BITS.values())
+MASTER_NAMES = formats.MASTER_KEYS  # the keys a master weight is stored under, whatever its form
 
 
 def master_spec(precision: str) -> StateSpec:
     """How a master weight of `precision` ("fp32", "split", "split8") is kept."""
-    if precision == "fp32":
-        return MASTER
-    # (a name of each precision's own: a checkpoint loaded by name, as DCP loads, never copies one into
-    # the other's dtype)
-    return StateSpec(MASTER_LOW_BITS[precision], masters.storage_dtype(precision))
+    (spec,) = formats.master_form(precision).specs(MASTER)
+    return spec
 
 
 def master_states(states: dict) -> list:
     """The master weights of a fused call's `states` (whole or split), or [] without."""
     return next((states[name] for name in MASTER_NAMES if states.get(name)), [])
-
-
-def check_master_options(master_precision, master_weights_option) -> None:
-    if master_precision not in masters.PRECISIONS:
-        raise ValueError(f"master_precision must be one of {masters.PRECISIONS}, got {master_precision!r}")
-    if master_precision != "fp32" and master_weights_option is False:
-        raise ValueError(f"master_precision={master_precision!r} stores master weights, but master_weights=False "
-                         "keeps none: leave master_weights at None (or True)")
 
 # [note: who asks whether the step unscales]
 # torch.amp.GradScaler.step reads `_step_supports_amp_scaling`: when true it sets `grad_scale` and
@@ -89,6 +74,10 @@ class FusedOptimizer(Optimizer):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         check_master_options(master_precision, master_weights)
+        if "state_precision" in defaults:
+            # which 8-bit map the group's codes are in: in every group, so that whatever copies the
+            # groups (a state dict, DCP, ZeRO-1's consolidation) carries it with the codes
+            defaults = {**defaults, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION}
         self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
         self._start_engine(self._config)
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights,
@@ -103,7 +92,8 @@ class FusedOptimizer(Optimizer):
     def _wrap_state(self) -> None:
         self.state = OptimizerState(self._engine.wait_host, dict.items(self.state))
 
-    def _register_hooks(self) -> None:
+    def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
+        self.register_load_state_dict_pre_hook(checkpoint.checked_against_saved_forms)
         self._set_aside_hook = self.register_load_state_dict_pre_hook(checkpoint.set_states_aside)
         self.register_load_state_dict_post_hook(checkpoint.place_states, prepend=True)
         self.register_state_dict_post_hook(FusedOptimizer._states_as_saved)
@@ -114,22 +104,63 @@ class FusedOptimizer(Optimizer):
         (see [note: distributed checkpoints across forms] in fusedoff/optim/checkpoint.py), otherwise
         as the optimizer keeps them; the optimizer's own states are unchanged."""
         if checkpoint.for_distributed_checkpoint():
-            return optimizer._states_in_fp32(state_dict)
-        return optimizer._states_as_kept(state_dict)
+            return checkpoint.states_in_fp32(optimizer, state_dict)
+        return checkpoint.states_as_kept(optimizer, state_dict)
 
     # ---- subclass interface ----------------------------------------------------------------
-    def _state_names(self, group: dict) -> tuple[str, ...]:
-        """The state tensors of one parameter, besides `step` and `master_param`."""
+    # The state precisions a group of this optimizer may choose (see fusedoff/formats.py), and why
+    # it takes no others (the end of the refusal's message).
+    state_precisions: tuple[str, ...] = ("fp32",)
+    why_not_other_precisions: str = ""
+
+    @classmethod
+    def _state_roles(cls, group: dict) -> dict[str, Role]:
+        """The states of one parameter in `group` (besides ``step`` and its master weight) and
+        their roles: a group's options pick each one's stored form."""
         raise NotImplementedError
 
-    def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
-        """How those states are stored (default: fp32, one value per element)."""
-        return tuple(StateSpec(name) for name in self._state_names(group))
+    # ---- stored forms (fusedoff/formats.py) ------------------------------------------------------
+    @classmethod
+    def _stored_forms(cls, group: dict, dtype: torch.dtype) -> dict[str, tuple[Role, StoredForm]]:
+        """Each state a parameter of `dtype` in `group` keeps, with its role and stored form: the
+        subclass's states in the group's ``state_precision``, and the master weight (in its
+        ``master_precision``) for fp16/bf16 parameters unless ``master_weights=False``."""
+        moments = formats.moment_form(group.get("state_precision", "fp32"))
+        forms = {name: (role, moments) for name, role in cls._state_roles(group).items()}
+        if keeps_master(dtype, group["master_weights"]):
+            forms[MASTER] = (Role.MASTER_WEIGHT, formats.master_form(group.get("master_precision", "fp32")))
+        return forms
+
+    @classmethod
+    def _state_specs(cls, group: dict) -> tuple[StateSpec, ...]:
+        """The tensors a parameter's states are stored in, besides ``step`` and master weights: each
+        state's values first, then what their forms keep beside them (8-bit block scales)."""
+        moments = formats.moment_form(group.get("state_precision", "fp32"))
+        per_state = [moments.specs(name) for name in cls._state_roles(group)]
+        return tuple(specs[k] for k in range(max(map(len, per_state), default=0)) for specs in per_state
+                     if k < len(specs))
+
+    @classmethod
+    def _state_names(cls, group: dict) -> tuple[str, ...]:
+        return tuple(spec.name for spec in cls._state_specs(group))
+
+    @classmethod
+    def _check_state_options(cls, group: dict) -> None:
+        """Refuses a state precision this optimizer does not take, or whose form cannot keep one of
+        its states (amsgrad's running maximum compressed)."""
+        precision = group.get("state_precision", "fp32")
+        if precision not in cls.state_precisions:
+            if cls.why_not_other_precisions:
+                raise ValueError(f"fusedoff.{cls.__name__} keeps {' or '.join(cls.state_precisions)} states only, "
+                                 f"got state_precision={precision!r}{cls.why_not_other_precisions}")
+            raise ValueError(f"state_precision must be one of {cls.state_precisions}, got {precision!r}")
+        form = formats.moment_form(precision)
+        for role in cls._state_roles(group).values():
+            form.refuse(role, "state_precision")
 
     # ---- what the engine asks (fusedoff.offload.contract.OptimizerRules) ----------------------
     def _bucket_specs(self, group: dict, dtype: torch.dtype) -> tuple[StateSpec, ...]:
-        """The states of a parameter of `dtype` in `group`: the subclass's, and master weights (in
-        the group's ``master_precision``) for fp16/bf16 parameters unless ``master_weights=False``."""
+        """The states of a parameter of `dtype` in `group`, master weights last (when kept)."""
         keeps = keeps_master(dtype, group["master_weights"])
         return self._state_specs(group) + ((master_spec(group.get("master_precision", "fp32")),) if keeps else ())
 
@@ -137,78 +168,31 @@ class FusedOptimizer(Optimizer):
     def _resolve_backend(group: dict, device: torch.device) -> str:
         return resolve_backend(group["backend"], device)
 
-    def _upgraded_states(self, state_dict: dict, states: dict) -> dict:
-        """The loaded states of `state_dict` ({param id: {name: tensor}}) in this version's encoding,
-        where an older one wrote them (default: as they are)."""
-        return states
-
     def _loaded_states(self, group: dict, param: Tensor, state: dict) -> dict:
-        """A loaded parameter state (a checkpoint's, or torch.optim's) in the form `group` keeps:
-        here the master weight, whole or split as the group keeps it (a split one read beside the
-        parameter as it is now: load the model first); subclasses convert their own states. Raises
-        before anything changes if it cannot be."""
-        loaded = {name: state[name] for name in MASTER_NAMES if isinstance(state.get(name), Tensor)}
-        if not loaded:
-            return state
-        if not keeps_master(param.dtype, group["master_weights"]):  # no master kept: none loaded
-            return {k: v for k, v in state.items() if k not in MASTER_NAMES}
-        precision = group.get("master_precision", "fp32")
-        name, value = next(iter(loaded.items()))
-        spec = master_spec(precision)
-        if name == spec.name and value.dtype == spec.dtype:
-            return state
-        if precision != "fp32" and param.dtype != torch.bfloat16:
-            raise ValueError(f"master_precision={precision!r} needs bfloat16 parameters, got {param.dtype}")
-        local = local_tensor(param).detach()
-        fp32 = value.to(torch.float32) if value.is_floating_point() else masters.join(local, local_tensor(value))
-        out = {k: v for k, v in state.items() if k not in MASTER_NAMES}
-        out[spec.name] = fp32 if precision == "fp32" else masters.split(fp32, precision)
-        if precision != "fp32":
-            # A parameter cast by torch from this master (ties to even) holds, at a tie, the other
-            # nearest rounding, beside which no low bits give the master back (a bf16 unit short): it
-            # takes fusedoff's (ties away from zero), beside which they do, once every loaded state has
-            # converted. A parameter that is no rounding of the master is left as it is (load the model first).
-            here = local_tensor(fp32).to(local.device)
-            ties = masters.other_rounding_at_ties(here, local)
-            if bool(ties.any()):
-                out[LOADED_PARAM_VALUE] = torch.where(
-                    ties, masters.param_of_master(here, local.dtype).reshape(local.shape), local)
-        return out
+        """A loaded parameter state (a checkpoint's, or torch.optim's) in the forms `group` keeps
+        (see `checkpoint.loaded_states`); raises before anything changes if it cannot be."""
+        return checkpoint.loaded_states(self, group, param, state)
 
     def _check_group_options(self, group: dict) -> None:
         """Raises if `group`'s fusedoff options cannot work together (a loaded group, or one
         changed since it was added); subclasses add their own."""
         check_master_options(group.get("master_precision", "fp32"), group.get("master_weights"))
+        self._check_state_options(group)
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
-        """Raises if `param` cannot be stepped with `group`'s options; subclasses add their own."""
-        precision = group.get("master_precision", "fp32")
-        if precision != "fp32" and keeps_master(param.dtype, group["master_weights"]) and param.dtype != torch.bfloat16:
-            raise ValueError(f"master_precision={precision!r} splits a master weight around its bfloat16 parameter; "
-                             f"an {param.dtype} parameter cannot be split exactly (an fp16 value near zero is the "
-                             "rounding of up to 2^30 fp32 values): use master_precision='fp32' for its group")
+        """Raises if `param` cannot be stepped with `group`'s options."""
+        if keeps_master(param.dtype, group["master_weights"]):
+            formats.check_master_param(group.get("master_precision", "fp32"), param.dtype)
 
     def fp32_state_dict(self) -> dict:
-        """``state_dict()`` with master weights whole (fp32 ``master_param``), as torch's form has them."""
-        state_dict = self._states_in_fp32(self.state_dict())
-        state_dict["param_groups"] = [{**g, "master_precision": "fp32"} for g in state_dict["param_groups"]]
-        return state_dict
-
-    def _states_as_kept(self, state_dict: dict) -> dict:
-        """`state_dict` (torch's, made by ``state_dict()``) for torch.save: as it is here."""
-        return state_dict
-
-    def _states_in_fp32(self, state_dict: dict) -> dict:
-        """`state_dict` with every state in torch's fp32 form: here split masters joined with their
-        parameters into whole fp32 ``master_param``; subclasses convert their own states. The
-        groups are left as they are."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, state in list(state_dict["state"].items()):
-            low = next((state[name] for name in MASTER_LOW_BITS.values() if isinstance(state.get(name), Tensor)), None)
-            if low is not None:
-                state = state_dict["state"][pid] = {k: v for k, v in state.items() if k not in MASTER_NAMES}
-                local = local_tensor(params[pid]).detach()
-                state[MASTER.name] = like_param(masters.join(local, local_tensor(low)).reshape(local.shape), params[pid])
+        """``state_dict()`` with every state in torch's fp32 form: compressed moments decoded (their
+        block scales left out), master weights whole (fp32 ``master_param``): what torch.optim's
+        ``load_state_dict`` takes. The groups keep fusedoff's options (torch ignores them), saying
+        fp32 as their states are (``state_precision``, ``master_precision``)."""
+        state_dict = checkpoint.states_in_fp32(self, self.state_dict())
+        state_dict["param_groups"] = [{**g, "master_precision": "fp32",
+                                       **({"state_precision": "fp32"} if "state_precision" in g else {})}
+                                      for g in state_dict["param_groups"]]
         return state_dict
 
     def _fused_update(self, group: dict, backend: str, grad_scale: Tensor | None,
@@ -334,9 +318,8 @@ class FusedOptimizer(Optimizer):
             param_group = {**param_group, "params": params}
             check_group([p[1] if isinstance(p, tuple) else p for p in params])
             check_torch_flags(**{key: param_group[key] for key in TORCH_FLAGS if key in param_group})
-        if isinstance(param_group, dict):
-            merged = {**getattr(self, "defaults", {}), **param_group}
-            check_master_options(merged.get("master_precision", "fp32"), merged.get("master_weights"))
+        if isinstance(param_group, dict):  # the group's own options, checked before torch adds it
+            self._check_group_options({**getattr(self, "defaults", {}), **param_group})
         super().add_param_group(param_group)
 
     def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
