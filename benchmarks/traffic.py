@@ -39,12 +39,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fusedoff import formats
+from fusedoff.offload.plan import ALIGN_ELEMENTS  # every tensor starts on a 64-byte boundary
+
 FP32 = 4
-# Bytes per element of a stored master weight, by master precision (see the module docstring): a new
-# precision is one entry here, which every table and test built on this module picks up.
-MASTER_BYTES_PER_ELEMENT = {"fp32": 4, "split": 2, "split8": 1}  # fusedoff/kernels/master.py
-ALIGN_ELEMENTS = 16  # fusedoff/offload/plan.py: every tensor starts on a 64-byte boundary
-QUANT_BLOCK = 256  # fusedoff/kernels/codec.py: elements per fp32 scale of an 8-bit moment
+# Bytes per element of a stored master weight, by master precision (see the module docstring), read
+# from the forms themselves (fusedoff/formats.py): a new form is picked up by every table and test
+# built on this module.
+MASTER_BYTES_PER_ELEMENT = {precision: int(form.bytes_per_element()) for precision, form in formats.MASTER_FORMS.items()}
+QUANT_BLOCK = formats.EIGHT_BIT.block  # elements per fp32 scale of an 8-bit moment
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,12 @@ class StatePrecision:
         return states
 
 
-STATE_PRECISIONS = {
-    "fp32": StatePrecision("fp32", moment=4),
-    "bf16": StatePrecision("bf16", moment=2),
-    "8bit": StatePrecision("8bit", moment=1, block=QUANT_BLOCK),
-}
+def _state_precision(form: formats.StoredForm) -> StatePrecision:
+    values, *scales = form.specs("exp_avg")
+    return StatePrecision(form.precision, moment=values.dtype.itemsize, block=scales[0].block if scales else 0)
+
+
+STATE_PRECISIONS = {precision: _state_precision(form) for precision, form in formats.MOMENT_FORMS.items()}
 FP32_STATES = STATE_PRECISIONS["fp32"]
 
 
