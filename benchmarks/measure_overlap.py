@@ -1,7 +1,7 @@
 """Question: how much of a streamed step does the next forward see on this GPU, plain and overlapped,
 and what did the timed simulator predict for the same case with this machine's link rates?
 
-The first GPU run calibrates the timed model (fusedoff/offload/timed.py): this script measures what
+The first GPU run calibrates the timed model (fusedoff/testing/timed.py): this script measures what
 benchmarks/predict_step.py predicts, one case, beside its prediction. fusedoff.AdamW over `--layers`
 x `--per-layer` bf16 tensors of `--tensor-size` elements (fp32 masters, `--state-precision` states,
 offload='stream', default chunks, 2 buffer sets); the next forward is one main-stream operation per
@@ -34,7 +34,7 @@ from bench_bandwidth import bandwidth_from_rows, measure_link  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE  # noqa: E402
-from fusedoff.offload.timed import Rates, predict  # noqa: E402
+from fusedoff.testing.timed import Rates, predict  # noqa: E402
 
 
 class SleepLayer(torch.nn.Module):

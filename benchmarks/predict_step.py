@@ -1,5 +1,5 @@
 """Question: how long should a streamed AdamW step take on an H200, and how much of it will the next
-forward see? A prediction by the timed simulator (fusedoff/offload/timed.py), not a measurement.
+forward see? A prediction by the timed simulator (fusedoff/testing/timed.py), not a measurement.
 
 fusedoff.AdamW with bf16 parameters and gradients, fp32 master weights, moments stored as fp32, bf16 or
 8-bit (``state_precision``), offload='stream' with the default chunk (4M elements) and 2 buffer sets, at
@@ -47,7 +47,7 @@ import traffic  # noqa: E402
 import fusedoff  # noqa: E402
 from fusedoff.offload import runtimes  # noqa: E402
 from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE  # noqa: E402
-from fusedoff.offload.timed import Prediction, Rates, TimedRuntime, predict  # noqa: E402
+from fusedoff.testing.timed import Prediction, Rates, TimedRuntime, predict  # noqa: E402
 
 RESULTS_KEY = "predict_step"
 TENSOR = 16 * 2**20  # bench_step.py's --tensor-size: a 4096 x 4096 matrix

@@ -17,6 +17,7 @@
 #include "emulation_control.h"
 #else
 #define FUSEDOFF_WITH_HOST_KERNELS 1
+#include "cpu/selftests.h"
 #endif
 
 #if defined(FUSEDOFF_WITH_CUDA) && !defined(FUSEDOFF_CUDA_EMULATION)
@@ -596,30 +597,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   m.def("cpu_isa", &fusedoff::cpu_isa_name, "instruction set the host kernels dispatch to on this CPU");
-  m.def(
+  // The host kernels' self-tests (cpu/selftests.h), for the tests only: a submodule of their own,
+  // never ops.
+  py::module_ testing = m.def_submodule("testing", "the host kernels' self-tests (tests only; not an API)");
+  testing.def(
       "split_master_selftest",
       [](uint32_t salt, int num_threads) {
-        const fusedoff::SplitMasterSelftest r = fusedoff::split_master_selftest(salt, num_threads);
+        const fusedoff::selftests::SplitMaster r = fusedoff::selftests::split_master(salt, num_threads);
         return std::make_tuple(r.split_failures, r.split8_failures, r.split8_outside_bound, r.roundings_off);
       },
       "over all 2^32 fp32 values: failures of (split round trip, split8 round trip, split8 bound, "
       "parameter rounding); see [note: split master weights]");
-  m.def("written_param_selftest", &fusedoff::written_param_selftest,
-        "over all 2^32 fp32 masters and 4 bf16 parameters each: pairs where master_or_param keeps a "
-        "master it should take from the parameter or the reverse; see [note: every write is seen]");
-  m.def(
+  testing.def("written_param_selftest", &fusedoff::selftests::written_param,
+              "over all 2^32 fp32 masters and 4 bf16 parameters each: pairs where master_or_param keeps a "
+              "master it should take from the parameter or the reverse; see [note: every write is seen]");
+  testing.def(
       "split_master_lanes_selftest",
       [](uint32_t salt, int num_threads) -> py::object {
-        const fusedoff::SplitMasterLanesSelftest r = fusedoff::split_master_lanes_selftest(salt, num_threads);
+        const fusedoff::selftests::SplitMasterLanes r = fusedoff::selftests::split_master_lanes(salt, num_threads);
         if (!r.checked) return py::none();
         return py::make_tuple(r.split_off, r.split8_off);
       },
       "over all 2^32 fp32 values: the host kernels' 16-lane (split, split8) masters that differ from "
       "master.h's scalar ones; None without AVX-512");
-  m.def(
+  testing.def(
       "state_codec_selftest",
       [](int num_threads) -> py::object {
-        const fusedoff::StateCodecSelftest r = fusedoff::state_codec_selftest(num_threads);
+        const fusedoff::selftests::StateCodec r = fusedoff::selftests::state_codec(num_threads);
         if (!r.checked) return py::none();
         return py::make_tuple(r.encode_signed_off, r.encode_unsigned_off, r.decode_signed_off, r.decode_unsigned_off);
       },

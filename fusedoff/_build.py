@@ -118,8 +118,9 @@ FP_CONTRACT_OFF = ["-ffp-contract=off"]
 def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     # -fno-math-errno lets sqrtf vectorise; -fno-trapping-math lets the compiler compute both sides
     # of a float select (the 8-bit codes' normal/subnormal paths), without which those loops stay
-    # scalar (3x slower); neither changes a result. No -ffast-math (it would change results) and no
-    # -march=native (the prebuilt extension must run on any CPU: the kernel picks its ISA at run time).
+    # scalar (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md); neither changes a result.
+    # No -ffast-math (it would change results) and no -march=native (the prebuilt extension must
+    # run on any CPU: the kernel picks its ISA at run time).
     # -Wno-psabi: the AVX-512 host kernels run the math headers' templates on 16-lane vectors, and GCC
     # notes that passing one to a function without AVX-512 has another ABI; every such call is inlined.
     cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-Wno-psabi"]

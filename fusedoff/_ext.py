@@ -171,23 +171,3 @@ def native_available() -> bool:
 def cuda_kernels_available() -> bool:
     return native_available() and bool(load_extension().with_cuda)
 
-
-@functools.cache
-def load_emulated_extension() -> types.ModuleType:
-    """The tests' emulated CUDA kernels (backend 'cuda_emulated'): ``fusedoff._C_emulated``, built
-    beside ``_C`` with FUSEDOFF_CUDA_EMULATION=1 (``make install`` does), or the module file that
-    FUSEDOFF_EMULATED_EXTENSION names (a sanitizer build: tools/sanitize_emulation.py). It
-    registers ``torch.ops.fusedoff_emulated``; raises NativeExtensionUnavailable without one."""
-    path = os.environ.get("FUSEDOFF_EMULATED_EXTENSION")
-    if path:
-        if not Path(path).is_file():
-            raise NativeExtensionUnavailable(f"fusedoff: FUSEDOFF_EMULATED_EXTENSION={path} is not a module file")
-        return _import_module_file("fusedoff._C_emulated", Path(path))
-    try:
-        from fusedoff import _C_emulated  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise NativeExtensionUnavailable(
-            f"fusedoff: the emulated CUDA kernels (backend 'cuda_emulated', for the tests) are not built ({exc}): "
-            "build with FUSEDOFF_CUDA_EMULATION=1 pip install --no-build-isolation -e . (make install does)"
-        ) from exc
-    return _C_emulated

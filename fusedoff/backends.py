@@ -43,8 +43,13 @@ class Backend:
     require: Callable[[], None]
     # The torch.ops namespace of csrc/ops.cpp's ops it runs; None for the Python backends.
     native_namespace: str | None = None
-    # Accepted wherever a backend is, never chosen by 'auto'.
-    test_only: bool = False
+    # The backend whose implementation of each op (fusedoff.ops) it runs, from its own namespace;
+    # None: its own.
+    runs: str | None = None
+
+    @property
+    def implementation(self) -> str:
+        return self.runs or self.name
 
 
 _TABLE = {b.name: b for b in (
@@ -52,12 +57,16 @@ _TABLE = {b.name: b for b in (
     Backend("cuda", "cuda", _require_cuda_kernels, native_namespace="fusedoff"),
     Backend("triton", None, _require_triton),
     Backend("torch", None, lambda: None),
-    # The tests' CUDA kernels compiled as host C++ and run by the CUDA emulation (csrc/emulation).
-    Backend("cuda_emulated", "cpu", _ext.load_emulated_extension, native_namespace="fusedoff_emulated",
-            test_only=True),
 )}
-BACKENDS = tuple(name for name, b in _TABLE.items() if not b.test_only)
-TEST_BACKENDS = tuple(name for name, b in _TABLE.items() if b.test_only)
+BACKENDS = tuple(_TABLE)
+
+
+def register_test_backend(backend: Backend) -> None:
+    """Adds a backend that only the tests use (fusedoff.testing adds ``cuda_emulated``): accepted by
+    name wherever a backend is, never chosen by 'auto', not one of BACKENDS. Adding the same one
+    again does nothing; another under a name taken is refused."""
+    if _TABLE.setdefault(backend.name, backend) is not backend:
+        raise ValueError(f"fusedoff: a backend named {backend.name!r} is registered already")
 
 
 def backend_named(name: str) -> Backend:

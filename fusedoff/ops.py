@@ -1,7 +1,7 @@
 """The fused-step ops: a table of ops, each with its implementation on every backend.
 
 Each op is one entry of ``_OPS``: its name and its implementations keyed by backend. The native
-backends (``cpu``, ``cuda``, the tests' ``cuda_emulated``; see ``fusedoff.backends``) run the op of
+backends (``cpu``, ``cuda``, the test backend ``fusedoff.testing`` adds; see ``fusedoff.backends``) run the op of
 that name that csrc/ops.cpp registers through torch.library; ``triton`` runs the function of that
 name in its fusedoff/kernels/triton_*.py module, ``torch`` the pure-PyTorch reference
 (fusedoff/kernels/reference.py). Every implementation updates its inputs in place. The native ops
@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from fusedoff import _ext
-from fusedoff.backends import BACKENDS, TEST_BACKENDS, Backend, backend_named, check_device
+from fusedoff.backends import BACKENDS, Backend, backend_named, check_device
 from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 from fusedoff.kernels import codec
 
-__all__ = ["BACKENDS", "TEST_BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
+__all__ = ["BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
            "adam_compressed_step_", "apollo_step_", "apollo_phases", "apollo_whole_step_", "encode_8bit", "decode_8bit"]
 
 APOLLO_PHASES = ("reduce", "full", "moments", "finish")
@@ -75,7 +75,7 @@ def _python(module: str, name: str) -> Callable:
 
 def _implementations(name: str, triton_module: str) -> dict[str, Callable]:
     native = _native(name)
-    return {"cpu": native, "cuda": native, "cuda_emulated": native,
+    return {"cpu": native, "cuda": native,
             "triton": _python(f"fusedoff.kernels.{triton_module}", name),
             "torch": _python("fusedoff.kernels.reference", name)}
 
@@ -85,7 +85,7 @@ _OPS: dict[str, dict[str, Callable]] = {
     "adam_compressed_step_": _implementations("adam_compressed_step_", "triton_adam_compressed"),
     "apollo_step_": _implementations("apollo_step_", "triton_apollo"),
 }
-assert all(set(impls) == set(BACKENDS + TEST_BACKENDS) for impls in _OPS.values())
+assert all(set(impls) == set(BACKENDS) for impls in _OPS.values())
 
 
 def _run(name: str, backend: str, params: Sequence[Tensor], *args, **keywords) -> None:
@@ -94,7 +94,7 @@ def _run(name: str, backend: str, params: Sequence[Tensor], *args, **keywords) -
     b = backend_named(backend)
     if len(params) == 0:
         return
-    _OPS[name][b.name](b, params, *args, **keywords)
+    _OPS[name][b.implementation](b, params, *args, **keywords)
 
 
 def _hyperparameters(kind: type, hyper, keywords: dict):

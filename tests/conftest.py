@@ -20,14 +20,18 @@ from tests.per_test_timeout import *  # noqa: F401,F403 (its hooks, listed in it
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The test backend cuda_emulated, added to fusedoff.backends (after TRITON_INTERPRET: fusedoff imports triton).
+import fusedoff.testing  # noqa: E402,F401
+
 
 def _emulation_unavailable() -> str | None:
     """Why the emulated CUDA kernels cannot run here, or None."""
-    from fusedoff import _ext
+    from fusedoff import NativeExtensionUnavailable
+    from fusedoff.testing.emulation import load_emulated_extension
 
     try:
-        _ext.load_emulated_extension()
-    except _ext.NativeExtensionUnavailable as exc:
+        load_emulated_extension()
+    except NativeExtensionUnavailable as exc:
         return str(exc)
     return None
 

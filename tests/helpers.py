@@ -211,9 +211,9 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def device_of(placement: str):
     """The parameters' device of a placement named in the tests: "simulated" is the CPU seen as a
-    device through the stream simulator (fusedoff/offload/simulator.py, seed 5); any other, as it is."""
+    device through the stream simulator (fusedoff/testing/simulator.py, seed 5); any other, as it is."""
     from fusedoff.offload import runtimes
-    from fusedoff.offload.simulator import SimulatedRuntime
+    from fusedoff.testing.simulator import SimulatedRuntime
 
     if placement != "simulated":
         yield

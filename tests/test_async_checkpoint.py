@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint.async_save of streamed states while training goes on, on the
-simulated device (fusedoff/offload/simulator.py: the step's copies back to host memory land late,
+simulated device (fusedoff/testing/simulator.py: the step's copies back to host memory land late,
 when the host waits for them).
 
 A streamed state in the optimizer's state dict is a view of host memory that the step's last
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fusedoff
 from fusedoff.offload import runtimes
-from fusedoff.offload.simulator import SimulatedRuntime
+from fusedoff.testing.simulator import SimulatedRuntime
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 

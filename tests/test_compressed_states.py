@@ -106,7 +106,7 @@ def test_the_host_kernels_avx512_codec_gives_the_definitions_codes_for_every_val
     (The other backends' agreement with state_codec.h: test_codes_and_random_bits_are_the_same_on_every_backend.)"""
     from fusedoff import _C
 
-    differing = _C.state_codec_selftest(torch.get_num_threads())
+    differing = _C.testing.state_codec_selftest(torch.get_num_threads())
     if differing is None:
         pytest.skip(f"no AVX-512 on this CPU (the host kernels run the {_C.cpu_isa()} form of the scalar codec)")
     assert differing == (0, 0, 0, 0)

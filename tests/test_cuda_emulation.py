@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedoff import _ext, ops
+from fusedoff import ops
+from fusedoff.testing.emulation import load_emulated_extension
 from tests.helpers import SIZES, STORAGE_DTYPES, make_adam_problem, run_adam
 from tests.test_adam_op import dtype_cases
 from tests.test_adam_op import hyper as adam_hyper
@@ -58,7 +59,7 @@ SEEDS = (1, 2, 3)
 
 @pytest.fixture(scope="module")
 def emulator():
-    return _ext.load_emulated_extension()
+    return load_emulated_extension()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,8 +20,8 @@ import torch
 import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
-from fusedoff.offload.simulator import SimulatedRuntime
-from fusedoff.offload.timed import TimedRuntime
+from fusedoff.testing.simulator import SimulatedRuntime
+from fusedoff.testing.timed import TimedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import traffic  # noqa: E402

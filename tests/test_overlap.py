@@ -17,8 +17,8 @@ import torch
 
 import fusedoff
 from fusedoff.offload import runtimes
-from fusedoff.offload.simulator import RaceError, SimulatedRuntime
-from fusedoff.offload.timed import Rates, TimedRuntime, predict
+from fusedoff.testing.simulator import RaceError, SimulatedRuntime
+from fusedoff.testing.timed import Rates, TimedRuntime, predict
 
 WIDTH, LAYERS, STEPS = 24, 4, 4
 PLACEMENTS = {"streamed": dict(offload="stream", chunk_size=256),
@@ -221,7 +221,7 @@ def test_the_chunks_run_in_forward_order_across_buckets():
 
 
 def test_overlap_hides_the_step_behind_the_next_forward_on_the_timed_device():
-    """On the timed device (fusedoff/offload/timed.py), with the next forward one main-stream
+    """On the timed device (fusedoff/testing/timed.py), with the next forward one main-stream
     operation per layer: plain, the forward waits for the whole step; overlapped, it is delayed by
     no less than the link time it cannot cover (link-bound time - forward time), and by little more
     than one layer's share of the step."""

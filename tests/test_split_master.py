@@ -39,7 +39,7 @@ def test_the_split_encoding_is_exact_for_every_fp32_value():
     from fusedoff import _C
 
     for salt in (0, 0x9E3779B9):
-        split, split8, split8_bound, rounding = _C.split_master_selftest(salt, torch.get_num_threads())
+        split, split8, split8_bound, rounding = _C.testing.split_master_selftest(salt, torch.get_num_threads())
         assert (split, split8, split8_bound, rounding) == (0, 0, 0, 0)
 
 
@@ -49,7 +49,7 @@ def test_an_fp32_master_is_kept_beside_exactly_its_nearest_roundings():
     (either at a tie: torch's cast too), the param taken elsewhere (see [note: every write is seen])."""
     from fusedoff import _C
 
-    assert _C.written_param_selftest(torch.get_num_threads()) == 0
+    assert _C.testing.written_param_selftest(torch.get_num_threads()) == 0
 
 
 def test_the_host_kernels_16_lane_masters_give_the_definitions_bits_for_every_fp32_value():
@@ -58,7 +58,7 @@ def test_the_host_kernels_16_lane_masters_give_the_definitions_bits_for_every_fp
     split8, one salt) and the master joined back equal master.h's scalar form. About 15 s of C++."""
     from fusedoff import _C
 
-    differing = _C.split_master_lanes_selftest(0x5B1175A8, torch.get_num_threads())
+    differing = _C.testing.split_master_lanes_selftest(0x5B1175A8, torch.get_num_threads())
     if differing is None:
         pytest.skip(f"the host kernels have no AVX-512 form on this CPU ({_C.cpu_isa()}): nothing to compare")
     assert differing == (0, 0)

@@ -27,7 +27,7 @@ import torch
 import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
-from fusedoff.offload.simulator import SimulatedRuntime
+from fusedoff.testing.simulator import SimulatedRuntime
 from tests.faults import Faults, FaultyRuntime, InjectedError, InjectedOutOfMemory
 from tests.helpers import ParameterListModel
 

@@ -1,7 +1,7 @@
 """The engine's device side, run in CI: real optimizer classes through the stream simulator, launching
 the host kernels or the CUDA kernels on the host (backend 'cuda_emulated').
 
-Each case trains with the simulator standing in for a GPU (fusedoff/offload/simulator.py: queued
+Each case trains with the simulator standing in for a GPU (fusedoff/testing/simulator.py: queued
 side streams in a seeded random interleaving, copies landing late, a happens-before race checker)
 and compares every parameter and state, bit for bit, with the same optimizer run through the
 synchronous host loopback (and, for the elementwise AdamW/Adam, with the resident run). After each
@@ -22,7 +22,7 @@ import torch
 
 import fusedoff
 from fusedoff.offload import runtimes
-from fusedoff.offload.simulator import RaceError, SimulatedRuntime
+from fusedoff.testing.simulator import RaceError, SimulatedRuntime
 
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]  # tensors spanning 32-element chunks and sharing them
 SEEDS = range(6)

@@ -1,4 +1,4 @@
-"""The timed simulator (fusedoff/offload/timed.py): its arithmetic against schedules worked out by hand,
+"""The timed simulator (fusedoff/testing/timed.py): its arithmetic against schedules worked out by hand,
 the real engine on it against the host loopback (results bit for bit, link bytes as
 benchmarks/traffic.py counts them), and the scale factor."""
 
@@ -15,7 +15,7 @@ import predict_step  # noqa: E402
 import traffic  # noqa: E402
 
 import fusedoff  # noqa: E402
-from fusedoff.offload.timed import D2H, H2D, HOST, KERNEL, Rates, TimedRuntime, link_rates, predict  # noqa: E402
+from fusedoff.testing.timed import D2H, H2D, HOST, KERNEL, Rates, TimedRuntime, link_rates, predict  # noqa: E402
 
 MS = 1e-3
 # 1 byte per ns each way, 1.5 bytes per ns both at once; 4 bytes per ns of device memory; no host cost

@@ -67,7 +67,8 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
   const uint32_t salt = split8_salt(*t.step);
   const AdamScalars s = *scalars;
   const float scale = kScaled ? grad_scale : 1.0f;
-  // A split8 chunk goes through a buffer (below), where chunks of 128 elements did better than 64.
+  // A split8 chunk goes through a buffer (below), where chunks of 128 elements did better than 64
+  // (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
   constexpr int64_t kChunk = kMaster == MasterPrecision::Split8 ? 2 * kPrefetchChunk : kPrefetchChunk;
   for (int64_t chunk = begin; chunk < end; chunk += kChunk) {
     const int64_t chunk_end = std::min(end, chunk + kChunk);
@@ -76,10 +77,10 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
     using Master = MasterWeight<kMaster, P, typename decltype(lanes)::Lane>;
     void* chunk_master = lanes.lanes();
     P* chunk_param = param + chunk;
-    // NOTE: a split8 master in the update loop left the compiler a loop of 144 instructions per 16
-    // elements that ran at 1.4 instructions per cycle (0.93 ns per element more than "split" on this
-    // repository's AVX-512 machine): its masters are read and written in loops of their own, through
-    // an fp32 buffer in L1, around the update loop.
+    // NOTE: a split8 master in the update loop left the compiler a long loop that ran at a low
+    // instruction rate, well behind "split": its masters are read and written in loops of their own,
+    // through an fp32 buffer in L1, around the update loop (the figures: 'CPU kernel tuning' in
+    // benchmarks/results/RESULTS.md).
     constexpr bool kBuffered = kMaster == MasterPrecision::Split8;
     alignas(64) float masters[kBuffered ? kChunk : 1];
     if constexpr (kBuffered) {
@@ -114,9 +115,9 @@ static FUSEDOFF_INLINE void run(const AdamTensorPtrs* tensor, int64_t begin, int
 // bf16 parameters with a master weight, in the AVX-512 variant: 16 elements at a time in 512-bit
 // vectors, the master joined and split in registers (MasterVectors), the remainder by `run`.
 // NOTE: for `run`'s loop GCC chose 16 lanes of 256-bit vectors, the width of the 16-bit parameters
-// and gradients, so the square root and divisions ran in ymm registers: 0.79 ns per element ("split",
-// 1M elements in cache, one core) against 0.42 for fp32 parameters, whose loop runs on zmm (the
-// divider does 16 lanes of zmm in about the time of 8 of ymm on this repository's Zen 4 machine).
+// and gradients, so the square root and divisions ran in ymm registers, at about half the divider's
+// throughput on zmm, where the loop of fp32 parameters runs (the figures: 'CPU kernel tuning' in
+// benchmarks/results/RESULTS.md).
 static constexpr bool kLanes = MasterVectors<P, kMaster>::kOn && !kAmsgrad &&
                                (std::is_same<G, bfloat16_t>::value || std::is_same<G, float>::value);
 
@@ -136,10 +137,10 @@ static FUSEDOFF_AVX512_INLINE void run_avx512(const AdamTensorPtrs* tensor, int6
     const float scale = kScaled ? grad_scale : 1.0f;
     const int64_t whole = begin + (end - begin) / 16 * 16;
     // NOTE: a split8 master's rounding (a hash with two multiplies, then selects) after the update's
-    // divisions made the loop one long dependency chain per 16 elements, 1.05 ns per element (1M, one
-    // core, this repository's Zen 4 machine); updating 256 elements into an L1 buffer and then rounding
-    // and storing them in a loop of their own, which overlaps the next chunk's divisions, took 0.82
-    // (64 elements: 0.90, 512: 0.85). The other masters store in the update loop: a buffer made them slower.
+    // divisions made the loop one long dependency chain per 16 elements; updating 256 elements into an
+    // L1 buffer and then rounding and storing them in a loop of their own, which overlaps the next
+    // chunk's divisions, is faster (than 64 or 512 elements too). The other masters store in the update
+    // loop: a buffer made them slower (the figures: 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
     constexpr bool kSplit8 = kMaster == MasterPrecision::Split8;
     constexpr int64_t kChunk = kSplit8 ? 4 * kPrefetchChunk : kPrefetchChunk;
     for (int64_t chunk = begin; chunk < whole; chunk += kChunk) {

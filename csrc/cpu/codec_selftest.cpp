@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "fusedoff/launchers.h"
 #include "isa.h"
+#include "selftests.h"
 #include "state_codec_avx512.h"
 
 namespace fusedoff {
@@ -81,8 +81,8 @@ FUSEDOFF_TARGET_AVX512 void decode_all_codes(float factor, bool zero_scale, int6
 
 }  // namespace
 
-StateCodecSelftest state_codec_selftest(int num_threads) {
-  StateCodecSelftest r{};
+selftests::StateCodec selftests::state_codec(int num_threads) {
+  StateCodec r{};
 #if defined(FUSEDOFF_X86_DISPATCH)
   if (current_isa() != Isa::Avx512) return r;
   r.checked = true;

@@ -3,10 +3,10 @@
 //
 // NOTE: a split8 master's bytes read and written inside a `#pragma omp simd` loop made GCC vectorise
 // the whole loop at 16 lanes of 128-bit vectors (the fp32 math in xmm registers, the widest type
-// following the narrowest), 2.4x slower than the split (uint16) loop, which runs in 256-bit vectors,
-// on this repository's AVX-512 machine. So the loops hold a split8 master's bytes widened to 16 bits
-// in a buffer of the chunk they run over, filled before and written back after the loop (plain loops
-// that vectorise alone); every other master is read and written in place.
+// following the narrowest), slower than the split (uint16) loop, which runs in 256-bit vectors.
+// So the loops hold a split8 master's bytes widened to 16 bits in a buffer of the chunk they run
+// over, filled before and written back after the loop (plain loops that vectorise alone); every
+// other master is read and written in place (see 'CPU kernel tuning' in benchmarks/results/RESULTS.md).
 #pragma once
 
 #include <algorithm>

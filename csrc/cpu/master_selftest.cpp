@@ -7,14 +7,14 @@
 #include <cstdint>
 #include <memory>
 
-#include "fusedoff/launchers.h"
 #include "fusedoff/master.h"
 #include "isa.h"
 #include "master_lanes.h"
+#include "selftests.h"
 
 namespace fusedoff {
 
-SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads) {
+selftests::SplitMaster selftests::split_master(uint32_t split8_salt_value, int num_threads) {
   int64_t split_failures = 0, split8_failures = 0, split8_outside_bound = 0, roundings_off = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     reduction(+ : split_failures, split8_failures, split8_outside_bound, roundings_off)
@@ -58,7 +58,7 @@ SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_th
   return {split_failures, split8_failures, split8_outside_bound, roundings_off};
 }
 
-int64_t written_param_selftest(int num_threads) {
+int64_t selftests::written_param(int num_threads) {
   int64_t off = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : off)
   for (int64_t high = 0; high < 65536; ++high) {
@@ -137,8 +137,8 @@ FUSEDOFF_TARGET_AVX512 void compare_lanes_upper_half(uint32_t high, uint32_t sal
 }  // namespace
 #endif
 
-SplitMasterLanesSelftest split_master_lanes_selftest(uint32_t split8_salt_value, int num_threads) {
-  SplitMasterLanesSelftest r{};
+selftests::SplitMasterLanes selftests::split_master_lanes(uint32_t split8_salt_value, int num_threads) {
+  SplitMasterLanes r{};
 #if defined(FUSEDOFF_AVX512_LANES)
   if (current_isa() != Isa::Avx512) return r;
   r.checked = true;

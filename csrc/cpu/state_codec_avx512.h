@@ -1,9 +1,9 @@
 // The 8-bit codes of state_codec.h, 16 lanes at a time in AVX-512: the same codes, bit for bit, in
-// about a third of the instructions the compiler makes of the scalar code (see 'CPU kernel tuning'
-// in benchmarks/results/RESULTS.md). The tables below are derived from the maps' pieces
+// fewer instructions than the compiler makes of the scalar code (see 'CPU kernel tuning' in
+// benchmarks/results/RESULTS.md). The tables below are derived from the maps' pieces
 // (SignedMap, UnsignedMap), so the codec is still defined once, in state_codec.h;
-// `fusedoff._C.state_codec_selftest` (tests/test_state_codec.py) compares these functions with the
-// scalar ones over every fp32 bit pattern and every code.
+// `fusedoff._C.testing.state_codec_selftest` (tests/test_compressed_states.py) compares these
+// functions with the scalar ones over every fp32 bit pattern and every code.
 //
 // [note: the codec as float arithmetic]
 // The scalar code rounds a binade's mantissa in integer arithmetic. The same code is a float

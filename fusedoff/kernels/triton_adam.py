@@ -1,16 +1,7 @@
 """Triton Adam/AdamW: the ``triton`` backend of ``fusedoff.ops.adam_step_``.
 
-Per element, in fp32 whatever the storage dtypes, with t the tensor's step count after increment:
-
-    g = grad / grad_scale;  if maximize: g = -g
-    Adam (L2):         g = g + wd * p
-    AdamW (decoupled): p = p * (1 - lr * wd)
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
-    vhat = amsgrad ? (vmax = max(vmax, v)) : v
-    p = p - (lr / (1 - beta1^t)) * m / (sqrt(vhat) / sqrt(1 - beta2^t) + eps)
-
-This is a line-for-line mirror of ``csrc/include/fusedoff/adam.h``: ``_adam_scalars`` is
+The math is that of ``csrc/include/fusedoff/adam.h`` (its header comment states the update), per
+element in fp32 whatever the storage dtypes. This module mirrors it line for line: ``_adam_scalars`` is
 ``adam_scalars`` (the per-tensor scalars, with maximize, weight decay and the bias corrections folded
 in so that no element pays a branch) and ``_adam_update`` is ``adam_update`` (one element). Change
 one, change the other, and ``fusedoff/kernels/reference.py``.
@@ -19,9 +10,9 @@ How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from ad
 
 - Hyperparameters arrive as fp64 run-time arguments (annotated ``tl.float64``), like
   ``AdamHyperparams`` (doubles): the constants derived from them (1 - beta, 1 - lr * wd, the step
-  size) are computed in fp64 and rounded once to fp32, as adam.h does (1 - fp32(0.999) would be
-  1.3e-5 off, a bias in every update). Only mode flags are ``tl.constexpr``, so a scheduler changing
-  lr never recompiles.
+  size) are computed in fp64 and rounded once to fp32, as adam.h does (1 - fp32(0.999) is 1.3e-5
+  off 0.001, relatively: a bias in every update). Only mode flags are ``tl.constexpr``, so a
+  scheduler changing lr never recompiles.
 - The step count is loaded in the kernel from its float32 tensor (no ``.item()``, no host sync), and
   the bias corrections are computed from it in fp64, as the C++ does in double, then rounded once to
   fp32. Triton has no portable ``pow`` (libdevice's is CUDA/HIP-only and the interpreter has none),
@@ -33,8 +24,11 @@ How the mirror stays faithful to the C++ (the CPU and CUDA kernels built from ad
 - fp32 divisions and the square root use ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE round-to-nearest, like
   ``/`` and ``sqrtf`` in C++): Triton's plain ``/`` and ``tl.sqrt`` lower to approximate
   instructions on NVIDIA GPUs (``div.full.f32``, ``sqrt.approx.ftz.f32`` in triton 3.8's sm_90 PTX).
-  As in nvcc's default build, multiply-adds may be contracted to FMAs, so the backends agree to
-  about an ulp, not bit for bit.
+  A compiled kernel may contract a multiply and an add into an FMA (Triton's default,
+  ``enable_fp_fusion``), where the C++ kernels never do (``-ffp-contract=off`` and nvcc's
+  ``--fmad=false``: [note: one rounding everywhere] in ``fusedoff/_build.py``), so on a GPU this
+  backend agrees with the others to about an ulp, not bit for bit. Triton's interpreter contracts
+  nothing.
 - Loads upcast to fp32 in registers; stores round to nearest even (Triton's default fp downcast;
   under the interpreter, bf16 is rounded in integer arithmetic, see ``triton_common.round_to_bf16``).
   With master weights (``MASTER``: fp32, or "split"/"split8" low bits beside a bf16 param), the

@@ -1,49 +1,37 @@
 """Triton Apollo: the ``triton`` backend of ``fusedoff.ops.apollo_step_``.
 
-Apollo (Ma, arXiv 2009.13586, sigma = 0.01), one step of one tensor, per element in fp32 whatever the
-storage dtypes, with k the tensor's step count before the step and t = k + 1:
-
-    curr_lr = k < warmup ? (base_lr - init_lr) * k / warmup + init_lr : lr
-    g = grad / grad_scale (+ wd * p with L2 decay)
-    alpha = (1 - beta) / (1 - beta^t)
-    y = g - m
-    constant: R = 0.01, e = eps / 0.01            belief: R = max_i |y_i|, e = eps
-    m = m + alpha * y
-    den = (sum_i d_i^4)^(1/4) + e
-    dh = d / den ; v = dh * dh
-    delta = (-alpha * sum_i y_i d_i - sum_i B_i d_i^2) / den^2
-    B = B + delta * v
-    constant: D = max(|B|, 0.01)                  belief: D = max(|B|, R) + eps / alpha
-    u = m / D  (+ wd * p decoupled; + (wd / mean_i D) * p stable)
-    d = u ; p = p - curr_lr * u
-
-The sums, max|y| and mean D run over the whole tensor, so a step is split into phases, each a call
-over tensors or contiguous ranges of tensors (ranges of one tensor share its ``stats``, five float64:
-sum d^4, sum y*d, sum B*d^2, max|y|, sum D):
+The math is that of ``csrc/include/fusedoff/apollo.h`` (its header comment states one step of one
+tensor), per element in fp32 whatever the storage dtypes. Its sums, max|y| and mean D run over the
+whole tensor, so a step is split into phases, each a call over tensors or contiguous ranges of
+tensors (ranges of one tensor share its ``stats``, five float64: sum d^4, sum y*d, sum B*d^2, max|y|,
+sum D):
 
     'reduce'   adds the range's sum d^4, sum y*d, sum B*d^2 into stats[0:3], max|y| into stats[3]
     'full'     updates m, B, d and p (every decay but 'stable')
     'moments'  'stable' only: updates m and B, adds the range's sum D into stats[4]
     'finish'   'stable' only: writes d and p with the decay coefficient wd / (stats[4] / total_numel)
 
-This is a line-for-line mirror of ``csrc/include/fusedoff/apollo.h``, phase by phase as
-``csrc/cpu/apollo_cpu.cpp`` runs it: ``_apollo_step_scalars`` is ``apollo_step_scalars``,
-``_apollo_grad`` ``apollo_grad``, ``_nan_max`` ``nan_max``, ``_apollo_reduce_element``
-``apollo_reduce_element``, ``_apollo_step_constants`` ``apollo_step_constants``,
-``_apollo_decay_coefficient`` ``apollo_decay_coefficient``, ``_apollo_rebound`` ``apollo_rebound``,
-``_apollo_update_moments`` ``apollo_update_moments`` and ``_apollo_finish_element``
-``apollo_finish_element``. Change one, change the other, and ``fusedoff/kernels/reference.py``.
+This module mirrors apollo.h line for line, phase by phase as ``csrc/cpu/apollo_cpu.cpp`` runs it:
+``_apollo_step_scalars`` is ``apollo_step_scalars``, ``_apollo_grad`` ``apollo_grad``, ``_nan_max``
+``nan_max``, ``_apollo_reduce_element`` ``apollo_reduce_element``, ``_apollo_step_constants``
+``apollo_step_constants``, ``_apollo_decay_coefficient`` ``apollo_decay_coefficient``,
+``_apollo_rebound`` ``apollo_rebound``, ``_apollo_update_moments`` ``apollo_update_moments`` and
+``_apollo_finish_element`` ``apollo_finish_element``. Change one, change the other, and
+``fusedoff/kernels/reference.py``.
 
 How it stays faithful to the C++ (the conventions of ``triton_adam.py``):
 
 - Hyperparameters are fp64 run-time arguments, as in ``ApolloHyperparams``; curr_lr, alpha and the
   step constants (den, delta, R, eps / alpha, the decay coefficient) are computed in fp64 from the
   float64 stats and the step count, both loaded in the kernel (no ``.item()``, no host sync), and
-  rounded once to fp32. ``beta^t`` is ``triton_common.fp64_pow``. Only mode flags are
+  rounded once to fp32; the step constants take the unrounded alpha, as apollo.h's take
+  ``alpha_exact``. ``beta^t`` is ``triton_common.fp64_pow``. Only mode flags are
   ``tl.constexpr``: a scheduler changing lr never recompiles.
 - fp32 divisions use ``tl.div_rn`` (IEEE, like ``/`` in C++; Triton's plain ``/`` is approximate on
-  NVIDIA); fp64 ``/`` and ``tl.sqrt`` are IEEE. Multiply-adds may contract to FMAs, as in nvcc's
-  default build, so the backends agree to about an ulp, not bit for bit.
+  NVIDIA); fp64 ``/`` and ``tl.sqrt`` are IEEE. A compiled kernel may contract multiply-adds to FMAs
+  (Triton's default), where the C++ kernels never do ([note: one rounding everywhere] in
+  ``fusedoff/_build.py``), so on a GPU this backend agrees with the others to about an ulp, not bit
+  for bit.
 - max|y| and D propagate NaN like ``nan_max`` (``tl.maximum`` drops it by default, ``tl.max``
   promises nothing): a block counts its NaNs and reports NaN if there is one, as ``ReduceRange``
   does, and so does the combine.
@@ -56,18 +44,6 @@ How it stays faithful to the C++ (the conventions of ``triton_adam.py``):
   ``triton_common``'s ``load_weights``/``store_weights``, a mirror of master.h.
 - ``found_inf`` is loaded in the kernels: where it is non-zero every access is masked off and
   ``stats`` is not written, so nothing changes (to the bit) and the host never waits.
-
-One deliberate difference from apollo.h: the step constants use alpha in fp64, where
-``apollo_step_constants`` widens the fp32 ``ApolloStepScalars::alpha`` back to double. That rounding
-moves delta by up to 2^-24 relative, enough to flip delta's own fp32 rounding; where |delta * v| is
-larger than the new B (B + delta * v cancels), one ulp of delta * v is several of B, and of
-d = m / |B|. Measured
-in tests/test_triton_apollo.py with the widened alpha: d of a 7-element tensor in one 'full' phase
-2.7e-6 from the float64 oracle against the fp32 reference's 7.6e-7 (|d| = 8.4, D = |B_new| = 0.010),
-and a 0-d tensor's B after 6 steps 1.1e-9 against 1.7e-10 (|B| = 1.7e-3), both over the tests' bound
-of 2 x the reference's error + 1 ulp; with fp64 alpha (as ``reference.apollo_step_`` has it) the
-errors equal the reference's. apollo.h should keep alpha in double for the constants too (the m
-update still rounds it to fp32).
 """
 
 from __future__ import annotations
@@ -125,8 +101,8 @@ COMBINE_ROWS = 256
 def _apollo_step_scalars(lr, base_lr, init_lr, warmup, beta, weight_decay, step, DECAY: tl.constexpr):
     """``apollo_step_scalars``: (alpha, curr_lr, l2_decay) from the tensor's step count, in fp64.
 
-    alpha stays fp64 here (apollo.h rounds it to fp32): the m update rounds it, the step constants do
-    not; see "One deliberate difference" in the module docstring.
+    alpha stays fp64 here (apollo.h's ``alpha_exact``): the step constants take it as it is, the m
+    update its rounding to fp32 (apollo.h's ``alpha``).
     """
     # fp64 like ApolloHyperparams (`tl.full` is a no-op on the fp64 arguments of a compiled kernel;
     # the interpreter passes Python floats through, which would otherwise become fp32 constants).

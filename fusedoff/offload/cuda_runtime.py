@@ -4,7 +4,7 @@ Also page-locking host memory in place for the host store: cudaHostRegister on o
 allocations (unregistered when they are freed, after the copies queued on their device).
 
 The GPU suite runs this file; CPU CI runs the same engine through the host loopback and the
-simulator (simulator.py) instead.
+simulator (fusedoff/testing/simulator.py) instead.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ stream, memory figures, and graph capture. `Runtime` is that interface; four imp
   order; streams and events are None.
 - `CudaRuntime` (cuda_runtime.py): torch's CUDA streams and events, and page-locking host memory.
   Nothing else in the engine touches torch.cuda.
-- `fusedoff.offload.simulator.SimulatedRuntime`: CPU tensors behind queued streams with a
-  seeded random interleaving and a happens-before race checker, so CI runs the device side.
-- `fusedoff.offload.timed.TimedRuntime`: CPU tensors run at once, every operation recorded and
-  then timed by a deterministic scheduler (a prediction of a GPU's step).
+- `fusedoff.testing.simulator.SimulatedRuntime` (a test tool): CPU tensors behind queued streams
+  with a seeded random interleaving and a happens-before race checker, so CI runs the device side.
+- `fusedoff.testing.timed.TimedRuntime` (a test and benchmark tool): CPU tensors run at once, every
+  operation recorded and then timed by a deterministic scheduler (a prediction of a GPU's step).
 
 Data-flow terms used by the simulator: the *host* is the Python thread (it reads and writes host
 memory directly); *main* is the stream the user's kernels run on (the current stream: backward

@@ -21,43 +21,6 @@ void encode_8bit_cpu(const float* values, int64_t numel, bool is_signed, uint8_t
 void decode_8bit_cpu(const uint8_t* codes, const float* absmax, int64_t numel, bool is_signed, float* values,
                      int num_threads);
 
-// Counts of the fp32 bit patterns for which a claim of [note: split master weights] (master.h) fails:
-// the split master's round trip, the split8 one's (and its rounding, the note's), the split8 rounding's
-// bound, and the parameter's rounding (to nearest, ties away from zero). All zero is the proof; tests/test_split_master.py runs it.
-struct SplitMasterSelftest {
-  int64_t split_failures;
-  int64_t split8_failures;
-  int64_t split8_outside_bound;
-  int64_t roundings_off;
-};
-SplitMasterSelftest split_master_selftest(uint32_t split8_salt_value, int num_threads);
-
-// The count of (fp32 master, bf16 parameter) pairs, over every master and the 4 parameters around
-// its upper half, where master.h's `master_or_param` keeps the master beside a parameter that is
-// not one of its nearest roundings, or takes one that is (see [note: every write is seen]).
-int64_t written_param_selftest(int num_threads);
-
-// Counts of the fp32 bit patterns for which the host kernels' 16-lane split and split8 masters
-// (cpu/master_lanes.h: parameter and low bits stored, master joined back) differ from master.h's
-// scalar ones; `checked` is false where the CPU or compiler has no AVX-512 form (nothing to compare).
-struct SplitMasterLanesSelftest {
-  bool checked;
-  int64_t split_off;
-  int64_t split8_off;
-};
-SplitMasterLanesSelftest split_master_lanes_selftest(uint32_t split8_salt_value, int num_threads);
-
-// Counts of the values and codes on which the host kernels' AVX-512 codec (cpu/state_codec_avx512.h)
-// differs from state_codec.h's; `checked` is false where the CPU has no AVX-512 (nothing to compare).
-struct StateCodecSelftest {
-  bool checked;
-  int64_t encode_signed_off;
-  int64_t encode_unsigned_off;
-  int64_t decode_signed_off;
-  int64_t decode_unsigned_off;
-};
-StateCodecSelftest state_codec_selftest(int num_threads);
-
 // The instruction set the host kernels dispatch to on this CPU ("avx512", "avx2", "baseline").
 const char* cpu_isa_name();
 

@@ -21,7 +21,7 @@
 // Special values: inf is the rounding of itself and of the 2^15 finite values just below it
 // (offsets -0x8000..0); NaN keeps its upper half, quieted, so a quiet NaN master (every NaN that
 // arithmetic makes) comes back bit for bit from `high | low` (a signaling one comes back quiet).
-// The proof runs over all 2^32 fp32 values in tests/test_split_master.py (split_master_selftest).
+// The proof runs over all 2^32 fp32 values in tests/test_split_master.py (csrc/cpu/master_selftest.cpp).
 // fp16 parameters cannot be split: an fp16 value near zero is the rounding of up to 2^30 fp32
 // values (its subnormals and zero cover many fp32 binades), so "split" refuses them.
 //

@@ -1,10 +1,10 @@
 """SimulatedRuntime: the engine's device side on CPU tensors, with a happens-before race checker.
 
-A `Runtime` (runtime.py) whose side streams are queues. Queued operations run only when their
-waits are met, in a seeded random interleaving across streams, and an asynchronous copy's effect
-lands at a random later point before the next operation of its stream (so before its completion
-event). Kernels are the real CPU kernels, so results are real: a missing wait shows as a wrong
-value when the interleaving is unlucky, and always as a race.
+A `Runtime` (fusedoff/offload/runtime.py) whose side streams are queues. Queued operations run only when
+their waits are met, in a seeded random interleaving across streams, and an asynchronous copy's effect
+lands at a random later point before the next operation of its stream (so before its completion event).
+Kernels are the real CPU kernels, so results are real: a missing wait shows as a wrong value when the
+interleaving is unlucky, and always as a race.
 
 The race checker records every access to memory (device buffers, host slabs, parameters,
 gradients, steps, stats; a region is a byte range of a storage) with a vector clock, and checks

@@ -1,11 +1,11 @@
 """TimedRuntime: the engine's device side on CPU tensors, recorded and then timed by a deterministic scheduler.
 
-A `Runtime` (runtime.py) that runs every copy and kernel at once, on CPU tensors, with the real kernels
-(so results are the host loopback's, bit for bit), and records each operation the engine asks for:
-its timeline (the host, the main stream, a side stream), its kind, its bytes, and what it waits for.
-`schedule(rates)` then places every recorded operation in time, and `predict` reads from that schedule
-what a GPU run must measure: the step time, the link-bound time, the time the step adds to the next
-forward, and the critical path.
+A `Runtime` (fusedoff/offload/runtime.py) that runs every copy and kernel at once, on CPU tensors, with
+the real kernels (so results are the host loopback's, bit for bit), and records each operation the engine
+asks for: its timeline (the host, the main stream, a side stream), its kind, its bytes, and what it waits
+for. `schedule(rates)` then places every recorded operation in time, and `predict` reads from that
+schedule what a GPU run must measure: the step time, the link-bound time, the time the step adds to the
+next forward, and the critical path.
 
 What is recorded (the dependencies are those of a GPU):
   * every runtime call is a *host* operation on the host timeline, one after another, each taking
