@@ -37,11 +37,10 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import peers  # noqa: E402
-import timing  # noqa: E402
-from peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import peers, timing  # noqa: E402
+from benchmarks.peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402

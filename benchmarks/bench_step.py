@@ -58,13 +58,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import bench_bandwidth  # noqa: E402
-import peers  # noqa: E402
-import timing  # noqa: E402
-import traffic  # noqa: E402
-from gpu_suite import targets  # noqa: E402  (the verdicts printed with the figures)
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_bandwidth, peers, timing, traffic  # noqa: E402
+from benchmarks.gpu_suite import targets  # noqa: E402  (the verdicts printed with the figures)
 
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402

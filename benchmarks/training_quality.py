@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import timing
+from benchmarks import timing
 from fusedoff import demo
 
 

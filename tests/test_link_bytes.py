@@ -11,20 +11,17 @@ runtimes for a few cases. The placement under a budget is re-derived here too (g
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fusedoff
+from benchmarks import traffic
 from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.offload.simulator import SimulatedRuntime
 from fusedoff.offload.timed import TimedRuntime
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import traffic  # noqa: E402
 
 # Tensors spanning 32-element chunks and sharing them, a 0-d one, odd lengths (partial 8-bit blocks).
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]
