@@ -275,6 +275,48 @@ def train(params, opt, steps, set_grads=None, between=None) -> None:
             between(opt, params, step)
 
 
+def drawn_batches(x_shape, y_shape, *, seed: int = 1, device=None, dtype=None):
+    """A `batch` for `train_model`: each step's (x, y) normal values drawn in turn from one generator
+    seeded `seed` (a run's batches, not a step's), made `dtype` on `device` when given."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(x_shape, generator=generator).to(device=device, dtype=dtype)
+        y = torch.randn(y_shape, generator=generator).to(device=device, dtype=dtype)
+        return x, y
+    return batch
+
+
+def train_model(model, opt, steps, batch, *, loss_in_fp32: bool = False, scaler=None, after_backward=None,
+                clip=None) -> list:
+    """Steps `opt` at each step of `steps` (a range of step numbers, or a count from 0) on the MSE loss of
+    model(x) against y, (x, y) = batch(step) (the loss in fp32 with `loss_in_fp32`): the gradients set to
+    None, the backward (of the loss scaled by `scaler` when given, which then steps), `after_backward(step)`,
+    `clip(model, opt)` (after the scaler's unscale_), the step; the gradients None again after it.
+    Returns what `clip` returned, a value per step."""
+    clipped = []
+    for step in range(steps) if isinstance(steps, int) else steps:
+        x, y = batch(step)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y.float()) if loss_in_fp32 else \
+            torch.nn.functional.mse_loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if after_backward is not None:
+            after_backward(step)
+        if clip is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            clipped.append(clip(model, opt))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return clipped
+
+
 def sharded_on(mesh):
     """A function sharding a whole tensor over `mesh` along its first dimension (mesh None: the tensor)."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -312,7 +354,8 @@ def assert_bitwise_equal(got, want, what: str = "", *, names=None, canonical=bit
         differ = (canonical(got) != canonical(want).to(got.device)).nonzero().flatten()
         first = differ[0].item() if differ.numel() else None
         assert first is None, (f"{what}: {differ.numel()} of {want.numel()} elements differ, first at {first}: "
-                               f"{got.detach().reshape(-1)[first].item()!r} vs {want.detach().reshape(-1)[first].item()!r}")
+                               f"{got.detach().reshape(-1)[first].item()!r} vs "
+                               f"{want.detach().reshape(-1)[first].item()!r}")
     else:
         assert got == want, f"{what}: {got!r} vs {want!r}"
 
