@@ -251,7 +251,7 @@ def seeded_grads(scale: float | None = None, seed: int = 100):
     return set_grads
 
 
-def streamed_grads(seed: int = 1, scale: float = 0.1, skip=None):
+def drawn_grads(seed: int = 1, scale: float = 0.1, skip=None):
     """A `set_grads` for `train` drawing every step's gradients from one generator seeded `seed` (a run's
     gradients, not a step's): normal values times `scale`, in each parameter's dtype and on its device;
     none for tensor i at a step where `skip(step, i)`."""
@@ -351,7 +351,7 @@ def assert_bitwise_equal(got, want, what: str = "", *, names=None, canonical=bit
     elif isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape, \
             f"{what}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
-        differ = (canonical(got) != canonical(want).to(got.device)).nonzero().flatten()
+        differ = (canonical(got).reshape(-1) != canonical(want).to(got.device).reshape(-1)).nonzero().flatten()
         first = differ[0].item() if differ.numel() else None
         assert first is None, (f"{what}: {differ.numel()} of {want.numel()} elements differ, first at {first}: "
                                f"{got.detach().reshape(-1)[first].item()!r} vs "

@@ -36,14 +36,7 @@ def modes(bytes_per_element: int) -> dict[str, dict]:
 
 
 MODES = list(modes(8))
-
-
-def grads_for(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=gen) * 0.1 for s in SHAPES]
-
-
-GRADS = seeded_grads(0.1)  # grads_for's, set by `train`
+GRADS = seeded_grads(0.1)  # a step's gradients: GRADS(params, step), or train(..., GRADS)
 
 
 def snapshot(opt, params) -> list[dict]:
@@ -319,8 +312,8 @@ def test_cuda_states_read_right_after_step_are_that_steps(mode):
     opt = fusedoff.AdamW(params, **ADAM, **modes(8)[mode])
     ref = fusedoff.AdamW(ref_params, **ADAM, offload="none")
     for step in range(4):
-        for p, q, g in zip(params, ref_params, grads_for(step)):
-            p.grad, q.grad = g.cuda(), g.cuda()
+        GRADS(params, step)
+        GRADS(ref_params, step)
         opt.step()
         ref.step()
         # No synchronisation here: the read itself must wait for the step's copies back.
@@ -342,8 +335,7 @@ def test_cuda_auto_decides_the_budget_at_the_first_step_from_an_injected_figure(
     monkeypatch.setattr(CudaRuntime, "memory_info", lambda self: (total, int(total * 0.9) - needed + 1024 - 2048))
     opt = fusedoff.AdamW(params, **ADAM, chunk_size=32)  # offload="auto"
     assert opt.memory_stats()["device_budget"] is None
-    for p, g in zip(params, grads_for(0)):
-        p.grad = g.cuda()
+    GRADS(params, 0)
     opt.step()
     stats = opt.memory_stats()
     assert stats["device_budget"] == needed and stats["resident_bytes"] == needed and stats["streamed_bytes"] == 0
