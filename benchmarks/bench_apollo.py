@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import timing  # noqa: E402  (benchmarks/ is not a package)
-import traffic  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import plotting, timing, traffic  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402
@@ -235,7 +234,7 @@ def byte_accounting() -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     groups = {c: [r for r in rows if r["config"] == c and r.get("bytes_per_param")] for c in CONFIGS}
-    timing.plot_step_bars({c: rs for c, rs in groups.items() if rs}, path, title,
+    plotting.step_bars({c: rs for c, rs in groups.items() if rs}, path, title,
                           lambda r: "fusedoff fused" if r["contender"] == "fused" else "eager torch\n(ApolloReference)",
                           lambda r: r["contender"] == "fused")
 

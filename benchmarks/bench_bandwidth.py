@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import timing  # noqa: E402
-import traffic  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import timing, traffic  # noqa: E402
 
 
 def _row(what: str, description: str, samples: list[float], nbytes: int) -> dict:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import timing  # noqa: E402  (benchmarks/ is not a package)
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import timing  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import ops  # noqa: E402

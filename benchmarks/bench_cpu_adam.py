@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import timing  # noqa: E402  (benchmarks/ is not a package)
-from peers import load_deepspeed_cpu_adam  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import plotting, timing  # noqa: E402
+from benchmarks.peers import load_deepspeed_cpu_adam  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import ops  # noqa: E402
@@ -271,7 +271,7 @@ def _short_label(row: dict) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     groups = {c: [r for r in rows if r["config"] == c and r.get("bytes_per_param")] for c in CONFIGS}
-    timing.plot_step_bars({c: rs for c, rs in groups.items() if rs}, path, title, _short_label,
+    plotting.step_bars({c: rs for c, rs in groups.items() if rs}, path, title, _short_label,
                           lambda r: r["contender"] == "fusedoff")
 
 

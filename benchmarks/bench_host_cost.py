@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import timing  # noqa: E402  (benchmarks/ is not a package)
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import plotting, timing  # noqa: E402
 
 import fusedoff  # noqa: E402
 
@@ -105,7 +106,7 @@ def plot(rows: list[dict], before: list[dict], path: Path, title: str) -> None:
     groups: dict[str, list[dict]] = {}
     for r in shown:
         groups.setdefault(str(r["shape"]), []).append(r)
-    timing.plot_step_bars(groups, path, title, label=lambda r: str(r["contender"]).replace(" (", "\n("),
+    plotting.step_bars(groups, path, title, label=lambda r: str(r["contender"]).replace(" (", "\n("),
                           highlight=lambda r: r["contender"] in ("resident", "stream"))
 
 

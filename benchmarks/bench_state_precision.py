@@ -37,11 +37,10 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ (not a package) and the repo root, so fusedoff imports from a plain checkout too
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import peers  # noqa: E402
-import timing  # noqa: E402
-from peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import peers, plotting, timing  # noqa: E402
+from benchmarks.peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff._ext import load_extension  # noqa: E402
@@ -313,42 +312,35 @@ def format_verdicts(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Left: median step (whiskers p10-p90, log scale: the peers are slower by an order of magnitude) with
     each contender's bound; right: the bytes each holds and moves per parameter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shown = [r for r in rows if r.get("state_precision") and r["status"] == "ok"]
     x = list(range(len(shown)))
-    labels = [r["contender"].replace("_", "\n", 1) for r in shown]
+    labels = [r["contender"] for r in shown]
     colors = ["tab:green" if r["contender"].startswith("fusedoff") else "tab:gray" for r in shown]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
-    err = [[r["ms_median"] - r["ms_q10"] for r in shown], [r["ms_q90"] - r["ms_median"] for r in shown]]
-    left.bar(x, [r["ms_median"] for r in shown], yerr=err, capsize=4, color=colors, label="median step (p10-p90)")
-    left.scatter(x, [r["bound_ms"] for r in shown], marker="_", s=900, color="tab:red", zorder=3,
-                 label="bound: kernel bytes / best in-place pass")
-    for i, r in enumerate(shown):
-        left.annotate(f"{r['ms_median']:.1f} ms\n{r['ratio_to_fusedoff_fp32']:.2f}x", (i, r["ms_q90"]), ha="center",
-                      va="bottom", xytext=(0, 3), textcoords="offset points", fontsize=8)
-    left.set_yscale("log")
-    left.set_ylim(top=4 * max(r["ms_q90"] for r in shown))  # room for the labels above the tallest whisker
-    left.set_ylabel("step time, ms (log)")
-    left.set_title("step time; ratio to fusedoff fp32 states", fontsize=10)
-    left.legend(fontsize=8, loc="upper left")
-    width = 0.4
-    right.bar([i - width / 2 for i in x], [r["state_bytes_per_param"] for r in shown], width, color="tab:blue",
-              label="state bytes held")
-    right.bar([i + width / 2 for i in x], [r["bytes_per_param"] for r in shown], width, color="tab:orange",
-              label="bytes a step moves (12 + 2 x states)")
-    right.set_ylabel("bytes per parameter")
-    right.set_title("bytes per parameter", fontsize=10)
-    right.legend(fontsize=8)
-    for ax in (left, right):
-        ax.set_xticks(x, labels, fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with plotting.figure(path, title, 2, panel_size=(7.5, 5.5)) as (fig, (left, right)):
+        err = [[r["ms_median"] - r["ms_q10"] for r in shown], [r["ms_q90"] - r["ms_median"] for r in shown]]
+        left.bar(x, [r["ms_median"] for r in shown], yerr=err, capsize=4, color=colors, label="median step (p10-p90)")
+        left.scatter(x, [r["bound_ms"] for r in shown], marker="_", s=400, color="tab:red", zorder=3,
+                     label="bound: kernel bytes / best in-place pass")
+        for i, r in enumerate(shown):  # staggered: neighbouring labels of equal bars do not overlap
+            left.annotate(f"{r['ms_median']:.1f} ms\n{r['ratio_to_fusedoff_fp32']:.2f}x", (i, r["ms_q90"]),
+                          ha="center", va="bottom", xytext=(0, 3 + 22 * (i % 2)), textcoords="offset points",
+                          fontsize=7)
+        left.set_yscale("log")
+        left.set_ylim(top=8 * max(r["ms_q90"] for r in shown))  # room for the labels above the tallest whisker
+        left.set_ylabel("step time, ms (log)")
+        left.set_title("step time; ratio to fusedoff fp32 states", fontsize=10)
+        left.legend(fontsize=8, loc="upper left")
+        width = 0.4
+        right.bar([i - width / 2 for i in x], [r["state_bytes_per_param"] for r in shown], width, color="tab:blue",
+                  label="state bytes held")
+        right.bar([i + width / 2 for i in x], [r["bytes_per_param"] for r in shown], width, color="tab:orange",
+                  label="bytes a step moves (12 + 2 x states)")
+        right.set_ylim(top=1.3 * max(r["bytes_per_param"] for r in shown))  # the legend above the bars
+        right.set_ylabel("bytes per parameter")
+        right.set_title("bytes per parameter", fontsize=10)
+        right.legend(fontsize=8, loc="upper left", ncol=2)
+        for ax in (left, right):
+            plotting.category_axis(ax, labels, width=10, fontsize=7)
 
 
 def results_markdown(rows: list[dict], meta: dict, args, load_note: str) -> str:
@@ -404,11 +396,33 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--no-peers", action="store_true", help="skip torchao and bitsandbytes")
     parser.add_argument("--out-dir", type=Path, default=timing.RESULTS_DIR, help="CSV, PNG and RESULTS.md go here")
     parser.add_argument("--label", default="", help="a note for the results, e.g. 'machine shared'")
+    parser.add_argument("--from-csv", type=Path, default=None,
+                        help="only print the tables of this CSV and draw its PNG again (into --out-dir)")
     return parser.parse_args(argv)
+
+
+def title_of(meta: dict) -> str:
+    return (f"AdamW step by state precision, {meta['numel'] / 2**20:g}M fp32 params, {meta['threads']} threads, "
+            f"{meta['cpu_model']}; torch {meta['torch']}; {meta['date_utc']}"
+            + (f"\n{meta['label']}" if meta.get("label") else ""))
+
+
+def draw(rows: list[dict], meta: dict, out_dir: Path) -> str:
+    """The PNG of `rows`; what was written, for the closing line."""
+    try:
+        plot(rows, out_dir / f"{RESULTS_KEY}.png", title_of(meta))
+        return f", {RESULTS_KEY}.png"
+    except ImportError as e:  # matplotlib is the bench extra's, not the test suite's
+        return f" (no plot: {e})"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.from_csv is not None:
+        rows = timing.read_csv(args.from_csv)
+        print(format_table(rows), format_verdicts(rows), sep="\n\n")
+        print(f"wrote {args.out_dir}/{draw(rows, rows[0], args.out_dir).removeprefix(', ')}")
+        return
     torch.set_num_threads(args.threads)
     rows, load = measure(args)
     load_note = timing.load_note(load)
@@ -426,14 +440,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     timing.write_csv(args.out_dir / f"{RESULTS_KEY}.csv", rows, meta)
-    title = (f"AdamW step by state precision, {args.numel / 2**20:g}M fp32 params, {args.threads} threads, "
-             f"{meta['cpu_model']}; torch {meta['torch']}; {meta['date_utc']}"
-             + (f"\n{args.label}" if args.label else ""))
-    try:
-        plot(rows, args.out_dir / f"{RESULTS_KEY}.png", title)
-        plotted = f", {RESULTS_KEY}.png"
-    except ImportError as e:  # matplotlib is the bench extra's, not the test suite's
-        plotted = f" (no plot: {e})"
+    plotted = draw(rows, {**rows[0], **meta}, args.out_dir)
     timing.update_results_section(args.out_dir / "RESULTS.md", RESULTS_KEY,
                                   results_markdown(rows, meta, args, load_note))
     print(f"wrote {args.out_dir}/{RESULTS_KEY}.csv{plotted}, RESULTS.md")

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import predict_step  # noqa: E402
-import timing  # noqa: E402
-from bench_bandwidth import bandwidth_from_rows, measure_link  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import predict_step, timing  # noqa: E402
+from benchmarks.bench_bandwidth import bandwidth_from_rows, measure_link  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE  # noqa: E402

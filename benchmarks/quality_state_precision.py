@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import timing  # noqa: E402
-import training_quality as quality  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import timing  # noqa: E402
+from benchmarks import training_quality as quality  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import demo  # noqa: E402

@@ -15,22 +15,28 @@ What every benchmark here needs, written once:
     synchronised clocks (work on several streams or on the host), one sample per call.
   * ``hardware_metadata``, ``gpu_metadata``, ``write_csv``/``read_csv``, ``update_results_section``: CSV rows
     with hardware and version columns, and one replaceable section per script in results/RESULTS.md.
-  * ``markdown_table``, ``load_note``, ``hardware_lines``, ``plot_step_bars``: the table, load label,
-    hardware summary and bar chart every script prints, written once.
+  * ``RowsFile``: a CSV rewritten whole after every row measured, so a run killed at any moment keeps
+    every row it measured; ``read_csv`` gives them back (a script's ``--from-csv`` redraws its outputs).
+  * ``deadline_alarm``: a run's deadline enforced wherever the main thread is (building a contender,
+    its first step, its warm-up), raising ``DeadlineReached``.
+  * ``markdown_table``, ``load_note``, ``hardware_lines``: the table, load label and hardware summary
+    every script prints, written once. (The figures: plotting.py.)
 """
 
 from __future__ import annotations
 
-import shlex
-import sys
-
+import contextlib
 import csv
 import datetime
 import os
 import platform
 import re
+import shlex
+import signal
 import statistics
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -352,6 +358,52 @@ def read_csv(path: Path) -> list[dict[str, object]]:
         return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+class RowsFile:
+    """A CSV of rows that come one measurement at a time: each ``add`` rewrites it whole (write_csv
+    renames a complete file over the old one), so a run killed at any moment keeps every row it
+    measured, with the metadata known when it was written."""
+
+    def __init__(self, path: Path, metadata: Mapping[str, object]):
+        self.path, self.metadata, self.rows = path, metadata, []
+
+    def add(self, rows: Sequence[Mapping[str, object]]) -> None:
+        self.rows.extend(rows)
+        write_csv(self.path, self.rows, self.metadata)
+
+    def finish(self, metadata: Mapping[str, object]) -> None:
+        """The final metadata (the load, the wall time) on every row."""
+        self.metadata = metadata
+        write_csv(self.path, self.rows, metadata)
+
+
+class DeadlineReached(Exception):
+    """The run's deadline passed inside a measurement."""
+
+
+@contextlib.contextmanager
+def deadline_alarm(deadline: float):
+    """Raises DeadlineReached wherever the main thread is when `deadline` (perf_counter) passes: a
+    contender's construction, its first step (which allocates and pins its host state) and its warm-up
+    steps are bounded like its timed steps. (A call into C finishes first: the alarm lands after it.)"""
+    left = deadline - time.perf_counter()
+    if left == float("inf") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if left <= 0:
+        raise DeadlineReached
+
+    def on_alarm(signum, frame):
+        raise DeadlineReached
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, left)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def update_results_section(path: Path, key: str, markdown: str) -> None:
     """Replace (or append) the section between ``<!-- key:begin -->`` and ``<!-- key:end -->``."""
     begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
@@ -438,37 +490,3 @@ def markdown_table(rows: Sequence[Mapping[str, object]],
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(fn, r) for _, fn in columns) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def plot_step_bars(groups: Mapping[str, Sequence[Mapping[str, object]]], path: Path, title: str,
-                   label: Callable[[Mapping[str, object]], str], highlight: Callable[[Mapping[str, object]], bool]) -> None:
-    """One panel per group: median step time per contender (whiskers p10-p90), the bound as a red tick.
-
-    Rows need ms_median, ms_q10, ms_q90, bound_ms and bytes_per_param.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.8), squeeze=False)
-    for ax, (name, rs) in zip(axes[0], groups.items()):
-        x = list(range(len(rs)))
-        err = [[r["ms_median"] - r["ms_q10"] for r in rs], [r["ms_q90"] - r["ms_median"] for r in rs]]
-        colors = ["tab:green" if highlight(r) else "tab:gray" for r in rs]
-        ax.bar(x, [r["ms_median"] for r in rs], yerr=err, capsize=4, color=colors,
-               label="median step (whiskers p10-p90)")
-        ax.scatter(x, [r["bound_ms"] for r in rs], marker="_", s=900, color="tab:red", zorder=3,
-                   label="bandwidth bound: bytes / best in-place pass")
-        for i, r in enumerate(rs):
-            ax.annotate(f"{r['ms_median']:.1f} ms\n{r['bytes_per_param']} B/param", (i, 0), ha="center",
-                        va="bottom", xytext=(0, 4), textcoords="offset points", fontsize=8, color="white")
-        ax.set_xticks(x, [label(r) for r in rs], fontsize=8)
-        ax.set_ylabel("step time, ms")
-        ax.set_title(name)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import timing
+from benchmarks import plotting, timing
 from fusedoff import demo
 
 
@@ -44,21 +44,15 @@ def final_loss(losses: list[float], window: int) -> float:
 def plot(curves: dict[str, list[float]], path: Path, title: str, dashed: tuple[str, ...] = ()) -> Path | None:
     """The 10-step mean of each loss curve; None (and no file) without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        with plotting.figure(path, title, panel_size=(8, 4.5)) as (fig, (ax,)):
+            for name, losses in curves.items():
+                smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
+                          for i in range(len(losses))]
+                ax.plot(smooth, label=name, linewidth=1.2, linestyle="--" if name in dashed else "-")
+            ax.set(xlabel="step", ylabel="training loss (10-step mean)")
+            ax.legend()
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, losses in curves.items():
-        smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
-        ax.plot(smooth, label=name, linewidth=1.2, linestyle="--" if name in dashed else "-")
-    ax.set(xlabel="step", ylabel="training loss (10-step mean)", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: devices, Adam problem setup, and oracle error checks."""
+"""Shared test helpers: devices, Adam problem setup, oracle error checks, parameter factories, training
+loops and bit-equality assertions."""
 
 from __future__ import annotations
 
@@ -220,6 +221,143 @@ def device_of(placement: str):
         return
     with runtimes.simulate(lambda device: SimulatedRuntime(device, seed=5)):
         yield
+
+
+# ---- parameters, training loops, bit for bit ------------------------------------------------------------
+
+def make_params(shapes, dtype=torch.float32, *, seed: int = 0, device="cpu", drawn_as: torch.dtype = torch.float32,
+                grads: bool = False) -> list[torch.nn.Parameter]:
+    """Parameters of `shapes`: normal values drawn in `drawn_as` from one generator seeded `seed`, in order,
+    then made `dtype` (one for all, or a list with one per shape) on `device`. `grads`: each also gets a
+    normal gradient in its dtype, drawn from the same generator after all the values."""
+    generator = torch.Generator().manual_seed(seed)
+    dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=drawn_as).to(device, dt))
+              for shape, dt in zip(shapes, dtypes, strict=True)]
+    if grads:
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(device, p.dtype)
+    return params
+
+
+def seeded_grads(scale: float | None = None, seed: int = 100):
+    """A `set_grads` for `train`: at step s, normal values from a generator seeded `seed` + s, drawn for
+    the parameters in order, times `scale`, in each parameter's dtype and on its device."""
+    def set_grads(params, step: int) -> None:
+        generator = torch.Generator().manual_seed(seed + step)
+        for p in params:
+            grad = torch.randn(p.shape, generator=generator)
+            p.grad = (grad if scale is None else grad * scale).to(p.device, p.dtype)
+    return set_grads
+
+
+def drawn_grads(seed: int = 1, scale: float = 0.1, skip=None):
+    """A `set_grads` for `train` drawing every step's gradients from one generator seeded `seed` (a run's
+    gradients, not a step's): normal values times `scale`, in each parameter's dtype and on its device;
+    none for tensor i at a step where `skip(step, i)`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def set_grads(params, step: int) -> None:
+        for i, p in enumerate(params):
+            grad = (torch.randn(p.shape, generator=generator) * scale).to(p.device, p.dtype)
+            p.grad = None if skip and skip(step, i) else grad
+    return set_grads
+
+
+def train(params, opt, steps, set_grads=None, between=None) -> None:
+    """Steps `opt` at each step of `steps` (a range of step numbers, or a count from 0), each after
+    `set_grads(params, step)` (default: seeded_grads()); `between(opt, params, step)` runs after each."""
+    set_grads = set_grads or seeded_grads()
+    for step in range(steps) if isinstance(steps, int) else steps:
+        set_grads(params, step)
+        opt.step()
+        if between is not None:
+            between(opt, params, step)
+
+
+def drawn_batches(x_shape, y_shape, *, seed: int = 1, device=None, dtype=None):
+    """A `batch` for `train_model`: each step's (x, y) normal values drawn in turn from one generator
+    seeded `seed` (a run's batches, not a step's), made `dtype` on `device` when given."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(x_shape, generator=generator).to(device=device, dtype=dtype)
+        y = torch.randn(y_shape, generator=generator).to(device=device, dtype=dtype)
+        return x, y
+    return batch
+
+
+def train_model(model, opt, steps, batch, *, loss_in_fp32: bool = False, scaler=None, after_backward=None,
+                clip=None) -> list:
+    """Steps `opt` at each step of `steps` (a range of step numbers, or a count from 0) on the MSE loss of
+    model(x) against y, (x, y) = batch(step) (the loss in fp32 with `loss_in_fp32`): the gradients set to
+    None, the backward (of the loss scaled by `scaler` when given, which then steps), `after_backward(step)`,
+    `clip(model, opt)` (after the scaler's unscale_), the step; the gradients None again after it.
+    Returns what `clip` returned, a value per step."""
+    clipped = []
+    for step in range(steps) if isinstance(steps, int) else steps:
+        x, y = batch(step)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y.float()) if loss_in_fp32 else \
+            torch.nn.functional.mse_loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if after_backward is not None:
+            after_backward(step)
+        if clip is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            clipped.append(clip(model, opt))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return clipped
+
+
+def sharded_on(mesh):
+    """A function sharding a whole tensor over `mesh` along its first dimension (mesh None: the tensor)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(full: torch.Tensor) -> torch.Tensor:
+        return full if mesh is None else distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    return shard
+
+
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements of `t` as integers of their width, flat: equal where the bits are (-0.0 is not 0.0,
+    a NaN equals itself)."""
+    return t.detach().contiguous().reshape(-1).view(_INTEGER_OF_WIDTH[t.element_size()])
+
+
+def assert_bitwise_equal(got, want, what: str = "", *, names=None, canonical=bits) -> None:
+    """`got` equal to `want` bit for bit, dtype and shape included, through any nesting of lists, tuples and
+    dicts (the same keys; with `names`, the entries `names` of the outer dict only) down to tensors (other
+    values: equal). `canonical(t)` gives the integers compared (default the bits; e.g. every NaN made one)."""
+    if isinstance(want, dict):
+        if names is None:
+            assert got.keys() == want.keys(), f"{what}: keys {sorted(got)} vs {sorted(want)}"
+        for name in want if names is None else names:
+            assert_bitwise_equal(got[name], want[name], f"{what}[{name!r}]", canonical=canonical)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{what}: {len(got)} items, not {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bitwise_equal(g, w, f"{what}[{i}]", canonical=canonical)
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, \
+            f"{what}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
+        differ = (canonical(got).reshape(-1) != canonical(want).to(got.device).reshape(-1)).nonzero().flatten()
+        first = differ[0].item() if differ.numel() else None
+        assert first is None, (f"{what}: {differ.numel()} of {want.numel()} elements differ, first at {first}: "
+                               f"{got.detach().reshape(-1)[first].item()!r} vs "
+                               f"{want.detach().reshape(-1)[first].item()!r}")
+    else:
+        assert got == want, f"{what}: {got!r} vs {want!r}"
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import torch
 
 import fusedoff
 from fusedoff import memory
-from tests.helpers import backend_params, max_abs_error, ulp_atol
+from tests.helpers import backend_params, drawn_batches, max_abs_error, train_model, ulp_atol
 
 BACKENDS = backend_params(("cpu", "cuda", "triton", "torch"))
 PAIRS = [(fusedoff.AdamW, torch.optim.AdamW), (fusedoff.Adam, torch.optim.Adam)]
@@ -21,20 +21,9 @@ def make_model(device, dtype=torch.float32, seed=0):
     return model.to(device=device, dtype=dtype)
 
 
-def train(model, opt, steps, device, seed=1, scaler=None):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(16, 7, generator=gen).to(device=device, dtype=next(model.parameters()).dtype)
-        y = torch.randn(16, 1, generator=gen).to(device=device, dtype=x.dtype)
-        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-        opt.zero_grad()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+def batches(model, device, seed=1):
+    """This file's batches for train_model: 16 samples of 7 features and a target, in the model's dtype."""
+    return drawn_batches((16, 7), (16, 1), seed=seed, device=device, dtype=next(model.parameters()).dtype)
 
 
 def tensors_of(model, opt) -> dict[str, list[torch.Tensor]]:
@@ -72,7 +61,8 @@ def torch_runs(torch_cls, kwargs, run, init=None) -> dict[torch.dtype, dict]:
 
 def assert_close_to_float64(fused_model, fused_opt, torch_cls, kwargs, steps, device):
     """fusedoff (fp32) vs torch.optim in float64, bounded by torch.optim's own fp32 error."""
-    runs = torch_runs(torch_cls, kwargs, lambda model, opt: train(model, opt, steps, "cpu"))
+    runs = torch_runs(torch_cls, kwargs,
+                      lambda model, opt: train_model(model, opt, steps, batches(model, "cpu"), loss_in_fp32=True))
     assert_within_oracle_bound(tensors_of(fused_model, fused_opt), runs[torch.float32], runs[torch.float64])
 
 
@@ -83,7 +73,7 @@ def test_matches_torch_optim(backend, device, fused_cls, torch_cls):
     steps = 4 if backend == "triton" and device == "cpu" else 20
     model = make_model(device)
     opt = fused_cls(model.parameters(), backend=backend, **kwargs)
-    train(model, opt, steps, device)
+    train_model(model, opt, steps, batches(model, device), loss_in_fp32=True)
     assert_close_to_float64(model, opt, torch_cls, kwargs, steps, device)
     assert opt.state[next(model.parameters())]["step"].item() == steps
 
@@ -96,7 +86,7 @@ def test_state_dict_interchange_with_torch_optim(direction):
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     first_model = make_model("cpu")
     first = (fusedoff.AdamW if direction == "fusedoff->torch" else torch.optim.AdamW)(first_model.parameters(), **kwargs)
-    train(first_model, first, 5, "cpu", seed=1)
+    train_model(first_model, first, 5, batches(first_model, "cpu", seed=1), loss_in_fp32=True)
     saved_model, saved_state = copy.deepcopy(first_model.state_dict()), copy.deepcopy(first.state_dict())
     state = saved_state["state"][0]
     assert state["step"].dtype == torch.float32 and state["step"].dim() == 0
@@ -106,14 +96,16 @@ def test_state_dict_interchange_with_torch_optim(direction):
     resumed_model.load_state_dict(saved_model)
     resumed = (torch.optim.AdamW if direction == "fusedoff->torch" else fusedoff.AdamW)(resumed_model.parameters(), **kwargs)
     resumed.load_state_dict(copy.deepcopy(saved_state))  # a loaded tensor may become the state (as in torch)
-    train(resumed_model, resumed, 5, "cpu", seed=2)
-    train(first_model, first, 5, "cpu", seed=2)
+    train_model(resumed_model, resumed, 5, batches(resumed_model, "cpu", seed=2), loss_in_fp32=True)
+    train_model(first_model, first, 5, batches(first_model, "cpu", seed=2), loss_in_fp32=True)
 
     def resume(model, opt):  # torch casts the weights and states to float64 for the oracle
         model.load_state_dict(saved_model)
         opt.load_state_dict(copy.deepcopy(saved_state))
 
-    runs = torch_runs(torch.optim.AdamW, kwargs, lambda model, opt: train(model, opt, 5, "cpu", seed=2), resume)
+    runs = torch_runs(torch.optim.AdamW, kwargs,
+                      lambda model, opt: train_model(model, opt, 5, batches(model, "cpu", seed=2), loss_in_fp32=True),
+                      resume)
     for model, opt in ((first_model, first), (resumed_model, resumed)):
         assert_within_oracle_bound(tensors_of(model, opt), runs[torch.float32], runs[torch.float64])
 
@@ -121,7 +113,7 @@ def test_state_dict_interchange_with_torch_optim(direction):
 def test_bf16_states_stay_fp32_through_state_dict():
     model = make_model("cpu", torch.bfloat16)
     opt = fusedoff.AdamW(model.parameters(), lr=1e-2)
-    train(model, opt, 3, "cpu")
+    train_model(model, opt, 3, batches(model, "cpu"), loss_in_fp32=True)
     saved = copy.deepcopy(opt.state_dict())
     assert saved["state"][0]["master_param"].dtype == torch.float32
     clone = fusedoff.AdamW(model.parameters(), lr=1e-2)
@@ -137,7 +129,7 @@ def test_master_weights_are_fp32_and_params_their_rounding():
     model = make_model("cpu", torch.bfloat16)
     start = [p.detach().clone() for p in model.parameters()]
     opt = fusedoff.AdamW(model.parameters(), lr=1e-5)  # updates far below one bf16 ulp
-    train(model, opt, 3, "cpu")
+    train_model(model, opt, 3, batches(model, "cpu"), loss_in_fp32=True)
     moved = 0
     for p, p0 in zip(model.parameters(), start):
         master = opt.state[p]["master_param"]
@@ -153,7 +145,7 @@ def test_grad_scaler_end_to_end(backend, device):
     model = make_model(device)
     opt = fusedoff.AdamW(model.parameters(), backend=backend, **kwargs)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
-    train(model, opt, 10, device, scaler=scaler)
+    train_model(model, opt, 10, batches(model, device), loss_in_fp32=True, scaler=scaler)
     assert_close_to_float64(model, opt, torch.optim.AdamW, kwargs, 10, device)
 
     # An overflow: the scaler skips the step; params, states and step counts stay as they were.
@@ -176,7 +168,7 @@ def test_bad_input_is_rejected_before_anything_changes(placement):
     weight or step count changes (bf16 parameters, so master weights are among the states)."""
     model = make_model("cpu", torch.bfloat16)
     opt = fusedoff.AdamW(model.parameters(), lr=1e-2, amsgrad=True, **placement)
-    train(model, opt, 1, "cpu")
+    train_model(model, opt, 1, batches(model, "cpu"), loss_in_fp32=True)
     params = list(model.parameters())
     snapshot = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
     for p in params:
@@ -287,7 +279,7 @@ def test_scheduler_changes_lr_every_step():
     def run(model, opt):
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         for step in range(6):
-            train(model, opt, 1, "cpu", seed=step)
+            train_model(model, opt, 1, batches(model, "cpu", seed=step), loss_in_fp32=True)
             scheduler.step()
         assert opt.param_groups[0]["lr"] == 1e-2 / 64
 
@@ -310,24 +302,8 @@ def test_params_without_grad_are_skipped():
 def train_clipped(model, opt, clip, use_scaler, device) -> list[torch.Tensor]:
     """Six steps, each clipped by clip(model, opt) after the gradients are unscaled; the norms."""
     scaler = torch.amp.GradScaler(device, init_scale=2.0**6) if use_scaler else None
-    gen = torch.Generator().manual_seed(3)
-    dtype = next(model.parameters()).dtype
-    norms = []
-    for _ in range(6):
-        x, y = (torch.randn(16, k, generator=gen).to(device, dtype) for k in (7, 1))
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if scaler is None:
-            loss.backward()
-            norms.append(clip(model, opt).detach().cpu())
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            norms.append(clip(model, opt).detach().cpu())
-            scaler.step(opt)
-            scaler.update()
-    return norms
+    return train_model(model, opt, 6, batches(model, device, seed=3), scaler=scaler,
+                       clip=lambda model, opt: clip(model, opt).detach().cpu())
 
 
 @pytest.mark.parametrize("backend,device", backend_params(("cpu", "cuda", "torch")))
@@ -398,11 +374,11 @@ def test_one_group_on_two_devices_is_rejected():
 def test_torch_checkpoint_into_bf16_optimizer_creates_master_weights():
     model = make_model("cpu")
     ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, ref, 2, "cpu")
+    train_model(model, ref, 2, batches(model, "cpu"), loss_in_fp32=True)
     model16 = make_model("cpu").to(torch.bfloat16)
     opt = fusedoff.AdamW(model16.parameters(), lr=1e-2, offload="none")
     opt.load_state_dict(ref.state_dict())
-    train(model16, opt, 1, "cpu")
+    train_model(model16, opt, 1, batches(model16, "cpu"), loss_in_fp32=True)
     for p in model16.parameters():
         assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
 

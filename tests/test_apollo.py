@@ -15,9 +15,11 @@ from tests.helpers import (
     SIZES,
     STORAGE_DTYPES,
     backend_params,
+    drawn_batches,
     max_abs_error,
     relative_l2_error,
     sizes_across_cpu_blocks,
+    train_model,
     ulp_atol,
 )
 
@@ -32,17 +34,19 @@ def make_model(dtype=torch.float32, device="cpu"):
     return model.to(device=device, dtype=dtype)
 
 
-def train(model, opt, steps, seed=1, skip_bias_every=0):
-    gen = torch.Generator().manual_seed(seed)
+def batches(model, seed=1):
+    """This file's batches for train_model: 8 samples of 5 features and 3 targets, in the model's dtype."""
     p0 = next(model.parameters())
-    for step in range(steps):
-        x = torch.randn(8, 5, generator=gen).to(device=p0.device, dtype=p0.dtype)
-        y = torch.randn(8, 3, generator=gen).to(device=p0.device, dtype=p0.dtype)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        if skip_bias_every and step % skip_bias_every == 0:
-            model[2].bias.grad = None  # this parameter's step count falls behind the others
-        opt.step()
+    return drawn_batches((8, 5), (8, 3), seed=seed, device=p0.device, dtype=p0.dtype)
+
+
+def skipping_bias(model, every: int):
+    """An `after_backward` for train_model: no gradient for the last bias every `every` steps (0: never),
+    so that its step count falls behind the others'."""
+    def skip(step: int) -> None:
+        if step % every == 0:
+            model[2].bias.grad = None
+    return skip if every else None
 
 
 def collect(model, opt):
@@ -53,7 +57,7 @@ def collect(model, opt):
     return out
 
 
-def assert_matches_reference(model, opt, kwargs, steps, **train_kwargs):
+def assert_matches_reference(model, opt, kwargs, steps, skip_bias_every=0):
     """err(fusedoff fp32 vs reference float64) <= 2 * err(reference fp32 vs float64) + fp32 eps.
 
     The error is the relative L2 error over all tensors: Apollo couples every element of a tensor
@@ -65,7 +69,8 @@ def assert_matches_reference(model, opt, kwargs, steps, **train_kwargs):
     for dtype in (torch.float64, torch.float32):
         ref_model = make_model(dtype)
         ref_opt = ApolloReference(ref_model.parameters(), **kwargs)
-        train(ref_model, ref_opt, steps, **train_kwargs)
+        train_model(ref_model, ref_opt, steps, batches(ref_model),
+                    after_backward=skipping_bias(ref_model, skip_bias_every))
         runs[dtype] = collect(ref_model, ref_opt)
     got = collect(model, opt)
     for key, want in runs[torch.float64].items():
@@ -88,7 +93,7 @@ def test_matches_reference_in_every_mode(backend, device, rebound, decay_type):
     steps = 4 if backend == "triton" and device == "cpu" else 8  # warmup (3 steps) active, then finished
     model = make_model(device=device)
     opt = fusedoff.Apollo(model.parameters(), backend=backend, **kwargs)
-    train(model, opt, steps)
+    train_model(model, opt, steps, batches(model))
     assert_matches_reference(model, opt, kwargs, steps)
 
 
@@ -98,7 +103,7 @@ def test_per_parameter_step_counts(backend, device):
     kwargs = apollo_kwargs("belief", "stable")
     model = make_model(device=device)
     opt = fusedoff.Apollo(model.parameters(), backend=backend, **kwargs)
-    train(model, opt, 8, skip_bias_every=3)
+    train_model(model, opt, 8, batches(model), after_backward=skipping_bias(model, 3))
     assert opt.state[model[2].bias]["step"].item() == 5 and opt.state[model[0].weight]["step"].item() == 8
     assert_matches_reference(model, opt, kwargs, 8, skip_bias_every=3)
 
@@ -276,7 +281,7 @@ def test_eps_zero_gives_nan_at_step_one_like_the_reference():
     runs = []
     for cls in (ApolloReference, fusedoff.Apollo):
         model = make_model()
-        train(model, cls(model.parameters(), **kwargs), 1)
+        train_model(model, cls(model.parameters(), **kwargs), 1, batches(model))
         runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert runs[0].isnan().all() and runs[1].isnan().all()
 
@@ -290,7 +295,7 @@ def test_checkpoint_interchange_with_the_reference(direction, rebound, decay_typ
         first_cls, second_cls = second_cls, first_cls
     model = make_model()
     first = first_cls(model.parameters(), **kwargs)
-    train(model, first, 2)  # mid-warmup
+    train_model(model, first, 2, batches(model))  # mid-warmup
     saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(first.state_dict())
     state = saved["state"][0]
     assert set(state) == {"step", *STATE_KEYS} and isinstance(state["step"], int) and state["step"] == 2
@@ -300,8 +305,8 @@ def test_checkpoint_interchange_with_the_reference(direction, rebound, decay_typ
     resumed_model.load_state_dict(saved_model)
     resumed = second_cls(resumed_model.parameters(), **kwargs)
     resumed.load_state_dict(saved)
-    train(resumed_model, resumed, 4, seed=2)
-    train(model, first, 4, seed=2)
+    train_model(resumed_model, resumed, 4, batches(resumed_model, seed=2))
+    train_model(model, first, 4, batches(model, seed=2))
     # Two implementations after 4 steps: measured 1.6e-8 at most, 9% of this tolerance.
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

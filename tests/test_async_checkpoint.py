@@ -21,6 +21,7 @@ import torch.distributed as dist
 import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.testing.simulator import SimulatedRuntime
+from tests.helpers import make_params, train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -30,19 +31,10 @@ PRECISIONS = ("fp32", "bf16", "8bit")
 
 
 def make(precision: str):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, lr=1e-2, weight_decay=0.1, offload="stream", chunk_size=32, backend="cpu",
                          state_precision=precision)
     return params, opt
-
-
-def train(params, opt, steps: range) -> None:
-    for step in steps:
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
 
 
 def optim_state_dict(params, opt) -> dict:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fusedoff
+from tests.helpers import make_params, train
 
 CHUNK = 32  # elements: the larger tensors below span several chunks
 # (shape, dtype) per parameter of each group: bf16 parameters (fp32 masters) and fp32 ones in the
@@ -42,10 +43,11 @@ OPTIMIZERS = {
 }
 
 
-def make_params(device: str, seed: int = 0) -> list[list[torch.nn.Parameter]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [[torch.nn.Parameter(torch.randn(shape, generator=gen).to(device, dtype)) for shape, dtype in group]
-            for group in GROUPS]
+def grouped_params(device: str, seed: int = 0) -> list[list[torch.nn.Parameter]]:
+    """The parameters of GROUPS, one list per group."""
+    flat = iter(make_params([shape for group in GROUPS for shape, _ in group],
+                            [dtype for group in GROUPS for _, dtype in group], seed=seed, device=device))
+    return [[next(flat) for _ in group] for group in GROUPS]
 
 
 def param_groups(params: list[list[torch.nn.Parameter]]) -> list[dict]:
@@ -61,12 +63,6 @@ def set_grads(params: list[list[torch.nn.Parameter]], step: int) -> None:
             p.grad = (torch.sin(p.detach().float() * (step + 1)) * 0.1 + noise * 0.05).to(p.dtype)
 
 
-def train(params, opt, steps: range) -> None:
-    for step in steps:
-        set_grads(params, step)
-        opt.step()
-
-
 def save(params, opt) -> bytes:
     """A checkpoint as a training loop writes one: model and optimizer through torch.save."""
     buffer = io.BytesIO()
@@ -76,7 +72,7 @@ def save(params, opt) -> bytes:
 
 def load(blob: bytes, make_opt, placement: dict, device: str):
     checkpoint = torch.load(io.BytesIO(blob), weights_only=True)
-    params = make_params(device, seed=1)  # other values: everything must come from the checkpoint
+    params = grouped_params(device, seed=1)  # other values: everything must come from the checkpoint
     with torch.no_grad():
         for group, saved in zip(params, checkpoint["params"]):
             for p, value in zip(group, saved):
@@ -119,20 +115,20 @@ def assert_identical(got_params, got_opt, want_params, want_opt, when: str) -> N
 ])
 def test_resumed_run_equals_the_uninterrupted_one(name, saved_in, loaded_in, device):
     make_opt = OPTIMIZERS[name]
-    params = make_params(device)
+    params = grouped_params(device)
     opt = make_opt(param_groups(params), **PLACEMENTS[saved_in])
-    train(params, opt, range(4))
+    train(params, opt, range(4), set_grads)
     blob = save(params, opt)
-    train(params, opt, range(4, 8))  # the run that never stopped
+    train(params, opt, range(4, 8), set_grads)  # the run that never stopped
 
     resumed_params, resumed = load(blob, make_opt, PLACEMENTS[loaded_in], device)
     # What was saved is what is loaded (masters included), before any step...
-    reference_params = make_params(device)
+    reference_params = grouped_params(device)
     reference = make_opt(param_groups(reference_params), **PLACEMENTS[saved_in])
-    train(reference_params, reference, range(4))
+    train(reference_params, reference, range(4), set_grads)
     assert_identical(resumed_params, resumed, reference_params, reference, "after loading")
     # ... and the resumed run continues as the uninterrupted one.
-    train(resumed_params, resumed, range(4, 8))
+    train(resumed_params, resumed, range(4, 8), set_grads)
     assert_identical(resumed_params, resumed, params, opt, "after resuming")
     masters = [s for s in all_states(params, opt).values() if "master_param" in s]
     assert len(masters) == 4  # every bf16 parameter has fp32 masters: the comparison covered them
@@ -140,9 +136,9 @@ def test_resumed_run_equals_the_uninterrupted_one(name, saved_in, loaded_in, dev
 
 def test_mixed_placement_is_mixed():
     """The mixed placement above keeps some states on the device and streams the others."""
-    params = make_params("cpu")
+    params = grouped_params("cpu")
     opt = OPTIMIZERS["AdamW-amsgrad"](param_groups(params), **PLACEMENTS["mixed"])
-    train(params, opt, range(1))
+    train(params, opt, range(1), set_grads)
     stats = opt.memory_stats()
     assert stats["resident_bytes"] == 16 * 35  # four fp32 states of the 35-element tensor
     assert stats["streamed_bytes"] > 0

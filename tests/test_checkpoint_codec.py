@@ -10,6 +10,7 @@ import torch
 
 from fusedoff import _ext, ops
 from fusedoff.kernels import codec
+from tests.helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(not _ext.native_available(), reason="the native extension is not built")
 
@@ -32,10 +33,6 @@ def values(n: int, signed: bool, seed: int) -> torch.Tensor:
     return x
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
 @pytest.mark.parametrize("signed", (True, False), ids=("signed", "unsigned"))
 @pytest.mark.parametrize("n", SIZES)
 def test_the_host_codec_gives_the_pytorch_codecs_codes_scales_and_values(n, signed):
@@ -43,11 +40,11 @@ def test_the_host_codec_gives_the_pytorch_codecs_codes_scales_and_values(n, sign
     codes, absmax = ops.encode_8bit(x, signed)
     want_codes, want_absmax = codec.quantize(x, signed=signed)
     assert torch.equal(codes, want_codes)
-    assert torch.equal(bits(absmax), bits(want_absmax))
+    assert_bitwise_equal(absmax, want_absmax)
     # every code under every block's scale, the scales of the values above
     every_code = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
-    assert torch.equal(bits(ops.decode_8bit(every_code, absmax, signed)),
-                       bits(codec.dequantize(every_code, absmax, signed=signed)))
+    assert_bitwise_equal(ops.decode_8bit(every_code, absmax, signed),
+                         codec.dequantize(every_code, absmax, signed=signed))
 
 
 def test_the_host_codec_refuses_what_it_cannot_read_with_a_clear_error():

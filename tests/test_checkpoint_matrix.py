@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import fusedoff
-from tests.helpers import spawn_ranks
+from tests.helpers import sharded_on, spawn_ranks, train, train_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -62,15 +62,7 @@ def gradient(step: int, t: int) -> torch.Tensor:
     return grad.to(torch.bfloat16)
 
 
-def sharded_on(mesh):
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    def shard(full: torch.Tensor) -> torch.Tensor:
-        return full if mesh is None else distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
-    return shard
-
-
-def make_params(mesh, values=None) -> list[torch.nn.Parameter]:
+def params_on(mesh, values=None) -> list[torch.nn.Parameter]:
     values = values if values is not None else [initial(t) for t in range(len(SHAPES))]
     return [torch.nn.Parameter(sharded_on(mesh)(v.clone())) for v in values]
 
@@ -79,12 +71,14 @@ def make_optimizer(params, form: tuple[str, str]):
     return fusedoff.AdamW(params, state_precision=form[0], master_precision=form[1], **HYPER)
 
 
-def train(params, opt, steps: range, mesh=None) -> None:
+def gradients_on(mesh=None):
+    """A `set_grads` for `train`: tensor t's gradient(step, t), sharded over `mesh`."""
     shard = sharded_on(mesh)
-    for step in steps:
+
+    def set_grads(params, step: int) -> None:
         for t, p in enumerate(params):
             p.grad = shard(gradient(step, t))
-        opt.step()
+    return set_grads
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -122,16 +116,16 @@ def source(form, mesh, path: str, group=None) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    params = make_params(mesh)
+    params = params_on(mesh)
     opt = make_optimizer(params, form)
-    train(params, opt, range(SAVE_AT), mesh)
+    train(params, opt, range(SAVE_AT), gradients_on(mesh))
     model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
     # (a sharded one is kept as it is, to be loaded in this process: torch.save does not write the
     # DTensors of host-resident states)
     state_dict = opt.state_dict() if mesh is not None else serialized(opt.state_dict())
     out = {"states": fp32_states(opt, params), "at save": [full(p) for p in params], "state_dict": state_dict}
-    train(params, opt, range(SAVE_AT, STEPS), mesh)
+    train(params, opt, range(SAVE_AT, STEPS), gradients_on(mesh))
     out["params"] = [full(p) for p in params]
     return out
 
@@ -141,10 +135,10 @@ def zero_redundancy_source(form) -> dict:
     at SAVE_AT (rank 0), for torch.save."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    params = make_params(None)
+    params = params_on(None)
     opt = ZeroRedundancyOptimizer(params, optimizer_class=fusedoff.AdamW, state_precision=form[0],
                                   master_precision=form[1], **HYPER)
-    train(params, opt, range(SAVE_AT))
+    train(params, opt, range(SAVE_AT), gradients_on())
     opt.consolidate_state_dict(to=0)
     return {"state_dict": serialized(opt.state_dict()) if dist.get_rank() == 0 else None}
 
@@ -156,7 +150,7 @@ def continued(params, opt, mesh, states: bool = True) -> dict:
     out = {"groups": [(g["state_precision"], g["master_precision"]) for g in optim.param_groups]}
     if states:
         out["states"] = fp32_states(opt, params)
-    train(params, opt, range(SAVE_AT, STEPS), mesh)
+    train(params, opt, range(SAVE_AT, STEPS), gradients_on(mesh))
     out["params"] = [full(p) for p in params]
     return out
 
@@ -165,7 +159,7 @@ def load_dcp(path: str, built, mesh, group=None) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    params = make_params(mesh, [initial(t) + 1 for t in range(len(SHAPES))])  # everything from the checkpoint
+    params = params_on(mesh, [initial(t) + 1 for t in range(len(SHAPES))])  # everything from the checkpoint
     module = torch.nn.ParameterList(params)
     opt = make_optimizer(params, built)
     model_sd, optim_sd = get_state_dict(module, opt)
@@ -176,7 +170,7 @@ def load_dcp(path: str, built, mesh, group=None) -> dict:
 
 
 def load_saved(blob: bytes | dict, at_save, built, mesh=None) -> dict:
-    params = make_params(mesh, at_save)
+    params = params_on(mesh, at_save)
     opt = make_optimizer(params, built)
     opt.load_state_dict(deserialized(blob) if isinstance(blob, bytes) else blob)
     return continued(params, opt, mesh)
@@ -185,7 +179,7 @@ def load_saved(blob: bytes | dict, at_save, built, mesh=None) -> dict:
 def load_into_zero_redundancy(blob: bytes, at_save, built) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    params = make_params(None, at_save)
+    params = params_on(None, at_save)
     opt = ZeroRedundancyOptimizer(params, optimizer_class=fusedoff.AdamW, state_precision=built[0],
                                   master_precision=built[1], **HYPER)
     opt.load_state_dict(deserialized(blob))
@@ -211,18 +205,18 @@ def converted_by_dcp(folder: str, group) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     def saved_by(form) -> tuple[list, dict]:
-        params = make_params(None)
+        params = params_on(None)
         opt = make_optimizer(params, form)
-        train(params, opt, range(SAVE_AT))
+        train(params, opt, range(SAVE_AT), gradients_on())
         return [full(p) for p in params], opt.state_dict()
 
     def raw(form, built) -> dict:
         values, saved = saved_by(form)
         path = os.path.join(folder, f"raw-{form[0]}")
         dcp.save({"optim": saved}, checkpoint_id=path, process_group=group)
-        fresh = make_params(None, values)
+        fresh = params_on(None, values)
         dest = make_optimizer(fresh, built)
-        train(fresh, dest, range(1))  # (states to load into)
+        train(fresh, dest, range(1), gradients_on())  # (states to load into)
         state = {"optim": dest.state_dict()}
         dcp.load(state, checkpoint_id=path, process_group=group)
         dest.load_state_dict(state["optim"])
@@ -236,7 +230,7 @@ def converted_by_dcp(folder: str, group) -> dict:
             del g["saved_state_precision"]
         path = os.path.join(folder, "without")
         dcp.save({"optim": by_name}, checkpoint_id=path, process_group=group)
-        fresh = make_params(None, values)
+        fresh = params_on(None, values)
         module = torch.nn.ParameterList(fresh)
         dest = make_optimizer(fresh, ("fp32", "fp32"))
         state = {"optim": get_optimizer_state_dict(module, dest)}
@@ -263,13 +257,10 @@ def fully_shard_model(mesh=None) -> torch.nn.Module:
     return model
 
 
-def train_model(model, opt, steps: range) -> None:
-    for step in steps:  # whole batches on every rank: FSDP averages identical gradients exactly
-        gen = torch.Generator().manual_seed(1000 + step)
-        x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 32, generator=gen)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def whole_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `batch` for train_model, whole on every rank: FSDP averages identical gradients exactly."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 64, generator=gen), torch.randn(8, 32, generator=gen)
 
 
 def fully_shard_into_plain(folder: str, mesh, group) -> dict:
@@ -281,12 +272,12 @@ def fully_shard_into_plain(folder: str, mesh, group) -> dict:
     path = os.path.join(folder, "fully_shard")
     model = fully_shard_model(mesh)
     opt = fusedoff.AdamW(model.parameters(), state_precision="8bit", **HYPER)
-    train_model(model, opt, range(SAVE_AT))
+    train_model(model, opt, range(SAVE_AT), whole_batch)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     saved = [{name: full(s[name]) for name in ("exp_avg", "exp_avg_sq")}
              for s in opt.fp32_state_dict()["state"].values()]
-    train_model(model, opt, range(SAVE_AT, STEPS))
+    train_model(model, opt, range(SAVE_AT, STEPS), whole_batch)
     want = [full(p) for p in model.parameters()]
     if dist.get_rank() != 0:
         return {}
@@ -301,7 +292,7 @@ def fully_shard_into_plain(folder: str, mesh, group) -> dict:
         loaded = [{name: s[name].clone() for name in ("exp_avg", "exp_avg_sq")}
                   for s in dest.fp32_state_dict()["state"].values()]
         precision = {g["state_precision"] for g in dest.param_groups}
-        train_model(plain, dest, range(SAVE_AT, STEPS))
+        train_model(plain, dest, range(SAVE_AT, STEPS), whole_batch)
         return {"states": loaded, "precision": precision, "params": [p.detach().clone() for p in plain.parameters()]}
 
     return {"saved": saved, "want": want, "got": attempt(load)}
@@ -484,15 +475,15 @@ def test_apollo_continues_across_master_precisions(tmp_path, saved):
         return fusedoff.Apollo(params, lr=1e-2, warmup=1, rebound="belief", master_precision=master,
                                **{k: HYPER[k] for k in ("backend", "offload", "chunk_size")})
 
-    params = make_params(None)
+    params = params_on(None)
     opt = apollo(params, saved)
-    train(params, opt, range(SAVE_AT))
+    train(params, opt, range(SAVE_AT), gradients_on())
     model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
     want_states = fp32_states_of(opt, params, ("exp_avg_grad", "approx_hessian", "update", "master_param"))
-    train(params, opt, range(SAVE_AT, STEPS))
+    train(params, opt, range(SAVE_AT, STEPS), gradients_on())
     for built in MASTER_PRECISIONS:
-        fresh = make_params(None, [initial(t) + 1 for t in range(len(SHAPES))])
+        fresh = params_on(None, [initial(t) + 1 for t in range(len(SHAPES))])
         module = torch.nn.ParameterList(fresh)
         dest = apollo(fresh, built)
         model_sd, optim_sd = get_state_dict(module, dest)
@@ -504,6 +495,6 @@ def test_apollo_continues_across_master_precisions(tmp_path, saved):
         for t, (a, b) in enumerate(zip(got, want_states)):
             for name in a:
                 assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), f"{built}: {name} of {t}"
-        train(fresh, dest, range(SAVE_AT, STEPS))
+        train(fresh, dest, range(SAVE_AT, STEPS), gradients_on())
         for t, (a, b) in enumerate(zip(fresh, params)):
             assert torch.equal(a.detach(), b.detach()), f"{built}: tensor {t} after resuming"

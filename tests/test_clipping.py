@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fusedoff
-from tests.helpers import backend_params, max_abs_error, ulp_atol
+from tests.helpers import backend_params, make_params, max_abs_error, ulp_atol
 
 SHAPES = ((5, 7), (33,), (), (1,), (100,), (4, 9))
 CHUNK = 32
@@ -48,18 +48,13 @@ def gradients(step: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
     return [(torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(device, dtype) for s in SHAPES]
 
 
-def initial_params(dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype)) for s in SHAPES]
-
-
 def copy64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64, copy=True)  # a copy even of a float64 tensor
 
 
 def run(make_opt, clip, dtype: torch.dtype, device: str = "cpu"):
     """Steps the schedule; returns per step (norm or None, params, exp_avg, exp_avg_sq) as float64 copies."""
-    params = initial_params(dtype, device)
+    params = make_params(SHAPES, dtype, device=device, drawn_as=torch.float64)
     opt = make_opt(params)
     trace = []
     for step, (_, max_norm) in enumerate(SCHEDULE):

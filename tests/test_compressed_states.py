@@ -17,7 +17,7 @@ import torch
 import fusedoff
 from fusedoff import ops
 from fusedoff.kernels import codec
-from tests.helpers import backend_params
+from tests.helpers import assert_bitwise_equal, backend_params, make_params, seeded_grads, train
 
 BACKENDS = backend_params(("cpu", "cuda", "torch", "triton"))
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True, maximize=False)
@@ -363,30 +363,11 @@ def test_the_op_checks_its_arguments_and_passes_opcheck():
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (600,)]
 
 
-def make_params(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def train(opt, params, steps, start=0):
-    for step in range(start, start + steps):
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
-        opt.step()
+GRADS = seeded_grads(0.1)
 
 
 def snapshot(opt, params):
     return [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-
-
-def assert_same(a, b):
-    for x, y in zip(a[0], b[0]):
-        assert torch.equal(x, y)
-    for s, t in zip(a[1], b[1]):
-        assert s.keys() == t.keys()
-        for k in s:
-            assert torch.equal(s[k], t[k]), k
 
 
 PLACEMENTS = {"resident": dict(offload="none"), "streamed": dict(offload="stream", chunk_size=32),
@@ -401,23 +382,23 @@ PLACEMENTS = {"resident": dict(offload="none"), "streamed": dict(offload="stream
 def test_streamed_and_mixed_equal_resident_bit_for_bit(precision, dtype, backend):
     runs = {}
     for name, placement in PLACEMENTS.items():
-        params = make_params(dtype)
+        params = make_params(SHAPES, dtype)
         opt = fusedoff.AdamW(params, lr=1e-2, state_precision=precision, backend=backend, **placement)
-        train(opt, params, 4)
+        train(params, opt, 4, GRADS)
         runs[name] = snapshot(opt, params)
         if name == "mixed":
             stats = opt.memory_stats()
             assert stats["resident_bytes"] > 0 and stats["streamed_bytes"] > 0
     for name in ("streamed", "streamed-1024", "mixed"):
-        assert_same(runs[name], runs["resident"])
+        assert_bitwise_equal(runs[name], runs["resident"])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 def test_state_dict_holds_compressed_states_and_resumes_bit_for_bit(precision):
     for placement in PLACEMENTS.values():
-        params = make_params()
+        params = make_params(SHAPES)
         opt = fusedoff.AdamW(params, lr=1e-2, state_precision=precision, seed=3, **placement)
-        train(opt, params, 3)
+        train(params, opt, 3, GRADS)
         saved = copy.deepcopy(opt.state_dict())
         at_save = [p.detach().clone() for p in params]
         group = saved["param_groups"][0]
@@ -426,31 +407,31 @@ def test_state_dict_holds_compressed_states_and_resumes_bit_for_bit(precision):
         assert state["exp_avg"].dtype == codec.state_dtype(precision) and state["exp_avg"].shape == (600,)
         if precision == "8bit":
             assert state["exp_avg_absmax"].shape == state["exp_avg_sq_absmax"].shape == (3,)
-        train(opt, params, 2, start=3)
+        train(params, opt, range(3, 5), GRADS)
         want = snapshot(opt, params)
 
         resumed = [torch.nn.Parameter(t) for t in at_save]
         opt2 = fusedoff.AdamW(resumed, lr=1e-2, **placement)  # fp32, seed 0: the checkpoint brings its own
         opt2.load_state_dict(saved)
-        train(opt2, resumed, 2, start=3)
-        assert_same(snapshot(opt2, resumed), want)
+        train(resumed, opt2, range(3, 5), GRADS)
+        assert_bitwise_equal(snapshot(opt2, resumed), want)
 
 
 def test_the_seed_drives_the_rounding():
     runs = []
     for seed in (0, 0, 1):
-        params = make_params()
+        params = make_params(SHAPES)
         opt = fusedoff.AdamW(params, lr=1e-2, state_precision="bf16", seed=seed)
-        train(opt, params, 2)
+        train(params, opt, 2, GRADS)
         runs.append(opt.state[params[5]]["exp_avg"].clone())
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 def test_a_torch_checkpoint_loads_compressed_and_converts_back(precision):
-    params = make_params()
+    params = make_params(SHAPES)
     reference = torch.optim.AdamW(params, lr=1e-2)
-    train(reference, params, 3)
+    train(params, reference, 3, GRADS)
     opt = fusedoff.AdamW(params, lr=1e-2, state_precision=precision, offload="stream", chunk_size=32)
     opt.load_state_dict(reference.state_dict())
     for p in params:
@@ -501,9 +482,9 @@ def version_1_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.
 def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
     """A state dict without the codec version (written before the tapered map) is read with the
     first map and encoded with this one; a dict this version saves says its version."""
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit")
-    train(opt, params, 3)
+    train(params, opt, 3, GRADS)
     old = copy.deepcopy(opt.state_dict())
     for group in old["param_groups"]:
         assert group.pop(codec.CODEC_VERSION_KEY) == codec.CODEC_VERSION
@@ -523,7 +504,7 @@ def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
             assert torch.equal(resumed.state[p][f"{name}_absmax"], absmax)
     # The groups say the codes' version now: converted, they are this one's.
     assert all(group[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for group in resumed.param_groups)
-    train(resumed, params, 1)  # and it steps on
+    train(params, resumed, 1, GRADS)  # and it steps on
     assert all(g[codec.CODEC_VERSION_KEY] == codec.CODEC_VERSION for g in resumed.state_dict()["param_groups"])
     future = {**old, "param_groups": [{**g, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION + 1} for g in old["param_groups"]]}
     with pytest.raises(ValueError, match="codec version"):
@@ -531,9 +512,9 @@ def test_a_checkpoint_of_the_first_8bit_map_loads_converted(offload):
 
 
 def test_an_fp32_optimizer_decodes_a_compressed_checkpoint():
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, lr=1e-2, state_precision="8bit")
-    train(opt, params, 2)
+    train(params, opt, 2, GRADS)
     saved = copy.deepcopy(opt.state_dict())
     for group in saved["param_groups"]:
         group["state_precision"] = "fp32"
@@ -561,7 +542,7 @@ def test_bytes_are_the_compressed_ones():
 
 
 def test_bad_options_are_refused_before_anything_changes():
-    params = make_params()
+    params = make_params(SHAPES)
     with pytest.raises(ValueError, match="state_precision"):
         fusedoff.AdamW(params, state_precision="fp16")
     with pytest.raises(ValueError, match="amsgrad"):
@@ -574,13 +555,13 @@ def test_bad_options_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="amsgrad"):
         opt.add_param_group({"params": params[2:], "amsgrad": True})
     assert len(opt.param_groups) == 1
-    train(opt, params[:2], 1)
+    train(params[:2], opt, 1, GRADS)
     before = snapshot(opt, params[:2])
     opt.state[params[0]]["exp_avg"] = torch.zeros(params[0].shape)  # fp32 into a bf16 state
     with pytest.raises(ValueError, match="bfloat16"):
-        train(opt, params[:2], 1, start=1)
+        train(params[:2], opt, range(1, 2), GRADS)
     after = snapshot(opt, params[:2])
-    assert_same((after[0], after[1][1:]), (before[0], before[1][1:]))  # parameters, the other state: untouched
+    assert_bitwise_equal((after[0], after[1][1:]), (before[0], before[1][1:]))  # parameters, the other state: untouched
     assert {k: v for k, v in after[1][0].items() if k != "exp_avg"}.keys() == before[1][0].keys() - {"exp_avg"}
     for key in ("step", "exp_avg_sq"):
         assert torch.equal(after[1][0][key], before[1][0][key]), key
@@ -624,14 +605,14 @@ def test_training_quality_matches_fp32_states(precision, final_tolerance):
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 def test_a_deep_copy_steps_exactly_as_the_original(precision):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, lr=1e-2, state_precision=precision, seed=5, offload="stream", chunk_size=32)
-    train(opt, params, 2)
+    train(params, opt, 2, GRADS)
     twin_params, twin = copy.deepcopy((params, opt))
     assert twin.param_groups[0]["state_precision"] == precision and twin.param_groups[0]["seed"] == 5
-    train(opt, params, 2, start=2)
-    train(twin, twin_params, 2, start=2)
-    assert_same(snapshot(twin, twin_params), snapshot(opt, params))
+    train(params, opt, range(2, 4), GRADS)
+    train(twin_params, twin, range(2, 4), GRADS)
+    assert_bitwise_equal(snapshot(twin, twin_params), snapshot(opt, params))
 
 
 @pytest.mark.parametrize("states", ["spanning", "tiny_scales", "zero"])
@@ -719,28 +700,28 @@ def test_a_checkpoint_loads_into_a_parameter_of_another_memory_layout(precision)
 
 @pytest.mark.parametrize("placement", ["resident", "streamed"])
 def test_changing_a_groups_precision_keeps_the_values(placement):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, lr=1e-2, **PLACEMENTS[placement])
-    train(opt, params, 2)
+    train(params, opt, 2, GRADS)
     fp32 = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
     opt.param_groups[0]["state_precision"] = "8bit"
-    train(opt, params, 1, start=2)  # placed afresh, quantized from the fp32 values, then stepped
+    train(params, opt, range(2, 3), GRADS)  # placed afresh, quantized from the fp32 values, then stepped
     assert opt.state[params[0]]["exp_avg"].dtype == torch.uint8
     assert all(opt.state[p]["step"].item() == 3 for p in params)
-    reference = [torch.nn.Parameter(p.detach().clone()) for p in make_params()]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in make_params(SHAPES)]
     ref = fusedoff.AdamW(reference, lr=1e-2, **PLACEMENTS[placement])
-    train(ref, reference, 2)
+    train(reference, ref, 2, GRADS)
     ref.param_groups[0]["state_precision"] = "8bit"
     ref_sd = copy.deepcopy(ref.state_dict())
     for p in params:
         assert fp32[id(p)]["exp_avg"].dtype == torch.float32
     fresh = fusedoff.AdamW(reference, lr=1e-2, state_precision="8bit", **PLACEMENTS[placement])
     fresh.load_state_dict(ref_sd)  # fp32 moments into an 8-bit group: the same conversion
-    train(fresh, reference, 1, start=2)
-    assert_same(snapshot(fresh, reference), snapshot(opt, params))
+    train(reference, fresh, range(2, 3), GRADS)
+    assert_bitwise_equal(snapshot(fresh, reference), snapshot(opt, params))
     opt.param_groups[0]["amsgrad"] = True  # cannot work with 8-bit states: refused before anything changes
     with pytest.raises(ValueError, match="amsgrad"):
-        train(opt, params, 1, start=3)
+        train(params, opt, range(3, 4), GRADS)
     assert all(opt.state[p]["step"].item() == 3 for p in params)
 
 

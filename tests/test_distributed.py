@@ -22,7 +22,7 @@ import torch.distributed as dist
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
 from fusedoff.sharding import local_tensor
-from tests.helpers import spawn_ranks
+from tests.helpers import spawn_ranks, train_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -67,17 +67,14 @@ def batch(step: int, rank: int | None = None, outputs: int = 2) -> tuple[torch.T
     return x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
 
 
-def train(model, opt, steps: range, rank: int | None = None, clip: float | None = None, outputs: int = 2,
-          norm_type: float = 2.0) -> list[float]:
-    norms = []
-    for step in steps:
-        x, y = batch(step, rank, outputs)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        if clip is not None:
-            norms.append(float(opt.clip_grad_norm_(clip, norm_type)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return norms
+def batches(rank: int | None = None, outputs: int = 2):
+    """A `batch` for train_model: batch(step, rank, outputs)."""
+    return lambda step: batch(step, rank, outputs)
+
+
+def clipping(max_norm: float, norm_type: float = 2.0):
+    """A `clip` for train_model: the optimizer's clip_grad_norm_, the norm as a float."""
+    return lambda model, opt: float(opt.clip_grad_norm_(max_norm, norm_type))
 
 
 def full_params(model) -> list[torch.Tensor]:
@@ -104,10 +101,10 @@ def _checkpoint_round_trip(name: str, folder: str) -> tuple[list[torch.Tensor], 
     rank = dist.get_rank()
     model = _fsdp_model()
     opt = OPTIMIZERS[name](model.parameters())
-    train(model, opt, range(CHECKPOINT_AT), rank)
+    train_model(model, opt, range(CHECKPOINT_AT), batches(rank))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
-    train(model, opt, range(CHECKPOINT_AT, STEPS), rank)
+    train_model(model, opt, range(CHECKPOINT_AT, STEPS), batches(rank))
     continued = full_params(model)
 
     resumed_model = _fsdp_model()
@@ -118,7 +115,7 @@ def _checkpoint_round_trip(name: str, folder: str) -> tuple[list[torch.Tensor], 
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(resumed_model, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    train(resumed_model, resumed_opt, range(CHECKPOINT_AT, STEPS), rank)
+    train_model(resumed_model, resumed_opt, range(CHECKPOINT_AT, STEPS), batches(rank))
     return continued, full_params(resumed_model)
 
 
@@ -126,10 +123,10 @@ def _plain_states_into_sharded_optimizer() -> tuple[str, bool]:
     """Loads an unsharded checkpoint into a sharded optimizer: it must be refused, changing nothing."""
     plain_model = make_model()
     plain = OPTIMIZERS["AdamW/stream"](plain_model.parameters())
-    train(plain_model, plain, range(2))
+    train_model(plain_model, plain, range(2), batches())
     model = _fsdp_model()
     opt = OPTIMIZERS["AdamW/stream"](model.parameters())
-    train(model, opt, range(1), dist.get_rank())
+    train_model(model, opt, range(1), batches(dist.get_rank()))
     before = opt.state_dict()
     before = {pid: {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in st.items()}
               for pid, st in before["state"].items()}
@@ -198,21 +195,22 @@ def _worker(rank: int, port: int, folder: str) -> None:
         for name, make in OPTIMIZERS.items():
             model = _fsdp_model()
             opt = make(model.parameters())
-            train(model, opt, range(STEPS), rank)
+            train_model(model, opt, range(STEPS), batches(rank))
             results["fsdp"][name] = full_params(model)
             if isinstance(opt, fusedoff.optim.base.FusedOptimizer):
                 results["host_bytes"][name] = opt.memory_stats()["host_bytes"]
         for name in EMPTY_SHARD:
             model = _fsdp_model(outputs=1)
-            train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), rank, outputs=1)
+            train_model(model, OPTIMIZERS[name](model.parameters()), range(STEPS), batches(rank, outputs=1))
             results["empty_shard"][name] = full_params(model)
         model = _fsdp_model(outputs=1)  # the inf-norm of an empty shard's gradient: 0, not an error
-        results["empty_shard_inf_clip"] = train(model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS),
-                                                rank, clip=0.05, outputs=1, norm_type=float("inf"))
+        results["empty_shard_inf_clip"] = train_model(
+            model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS), batches(rank, outputs=1),
+            clip=clipping(0.05, float("inf")))
         for name in ("AdamW/stream", "Apollo/belief/decoupled/none"):
             model = _fsdp_model()
             opt = OPTIMIZERS[name](model.parameters())
-            norms = train(model, opt, range(STEPS), rank, clip=0.5)
+            norms = train_model(model, opt, range(STEPS), batches(rank), clip=clipping(0.5))
             results["clip"][name] = (norms, full_params(model))
         for name in CHECKPOINTED:
             sub = os.path.join(folder, name.replace("/", "_"))
@@ -220,7 +218,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
         for name in ("AdamW/none", "Apollo/belief/decoupled/stream"):
             model = torch.nn.parallel.DistributedDataParallel(make_model())
             opt = OPTIMIZERS[name](model.parameters())
-            train(model, opt, range(STEPS), rank)
+            train_model(model, opt, range(STEPS), batches(rank))
             results["ddp"][name] = full_params(model.module)
         results["rejected"] = _plain_states_into_sharded_optimizer()
         results["outside_write"] = {name: _outside_write_run(name, rank) for name in OUTSIDE_WRITE}
@@ -240,19 +238,19 @@ def single():
     results, clip, empty = {}, {}, {}
     for name, make in OPTIMIZERS.items():
         model = make_model()
-        train(model, make(model.parameters()), range(STEPS))
+        train_model(model, make(model.parameters()), range(STEPS), batches())
         results[name] = full_params(model)
     for name in ("AdamW/stream", "Apollo/belief/decoupled/none"):
         model = make_model()
-        norms = train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), clip=0.5)
+        norms = train_model(model, OPTIMIZERS[name](model.parameters()), range(STEPS), batches(), clip=clipping(0.5))
         clip[name] = (norms, full_params(model))
     for name in EMPTY_SHARD:
         model = make_model(outputs=1)
-        train(model, OPTIMIZERS[name](model.parameters()), range(STEPS), outputs=1)
+        train_model(model, OPTIMIZERS[name](model.parameters()), range(STEPS), batches(outputs=1))
         empty[name] = full_params(model)
     model = make_model(outputs=1)
-    empty["inf_clip"] = train(model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS), clip=0.05,
-                              outputs=1, norm_type=float("inf"))
+    empty["inf_clip"] = train_model(model, OPTIMIZERS["AdamW/stream"](model.parameters()), range(STEPS),
+                                    batches(outputs=1), clip=clipping(0.05, float("inf")))
     return results, clip, empty
 
 
@@ -372,12 +370,9 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
                     fully_shard(layer)
             return fully_shard(model)
 
-        def cuda_train(model, opt, steps):
-            for step in steps:
-                x, y = batch(step)
-                torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        def cuda_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = batch(step)
+            return x.cuda(), y.cuda()
 
         results = {}
         for precision in CUDA_PRECISIONS:
@@ -386,12 +381,12 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
             checkpoint = os.path.join(folder, precision)
             model = fsdp_model()
             opt = make(model.parameters())
-            cuda_train(model, opt, range(CHECKPOINT_AT))
+            train_model(model, opt, range(CHECKPOINT_AT), cuda_batch)
             model_sd, optim_sd = get_state_dict(model, opt)
             on_host = all(local_tensor(v).device.type == "cpu" for st in optim_sd["state"].values()
                           for k, v in st.items() if k != "step")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            cuda_train(model, opt, range(CHECKPOINT_AT, STEPS))
+            train_model(model, opt, range(CHECKPOINT_AT, STEPS), cuda_batch)
             continued = [p.full_tensor().cpu() for p in model.parameters()]
 
             resumed = fsdp_model()
@@ -400,7 +395,7 @@ def _cuda_worker(rank: int, port: int, folder: str) -> None:
             loaded = {"model": model_sd, "optim": optim_sd}
             dcp.load(loaded, checkpoint_id=checkpoint)
             set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-            cuda_train(resumed, resumed_opt, range(CHECKPOINT_AT, STEPS))
+            train_model(resumed, resumed_opt, range(CHECKPOINT_AT, STEPS), cuda_batch)
             results[precision] = {"on_host": on_host, "continued": continued,
                                   "resumed": [p.full_tensor().cpu() for p in resumed.parameters()]}
         torch.save(results, os.path.join(folder, "cuda.pt"))
@@ -420,9 +415,5 @@ def test_cuda_fsdp2_streamed_states_stay_on_the_host_and_checkpoint():
     # gradient path may pick differently, far below what a misplaced shard or state moves (~1e-2).
     model = make_model().cuda()
     opt = fusedoff.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload="stream", chunk_size=32)
-    for step in range(STEPS):
-        x, y = batch(step)
-        torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    train_model(model, opt, range(STEPS), lambda step: tuple(t.cuda() for t in batch(step)))
     assert max_error([p.detach().cpu() for p in model.parameters()], result["continued"]) <= 1e-5

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import fusedoff
 from fusedoff.kernels import codec
-from tests.helpers import spawn_ranks
+from tests.helpers import sharded_on, spawn_ranks, train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -74,20 +74,14 @@ def make_optimizer(params, precision: str, placement: str, master: str | None = 
     return fusedoff.AdamW(params, backend="cpu", state_precision=precision, **HYPER, **PLACEMENTS[placement], **split)
 
 
-def sharded_on(mesh):
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    def shard(full: torch.Tensor) -> torch.Tensor:
-        return full if mesh is None else distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
-    return shard
-
-
-def train(params, opt, steps: range, mesh=None) -> None:
+def gradients_on(mesh=None):
+    """A `set_grads` for `train`: tensor t's gradient(step, t) in its dtype, sharded over `mesh`."""
     shard = sharded_on(mesh)
-    for step in steps:
+
+    def set_grads(params, step: int) -> None:
         for t, p in enumerate(params):
             p.grad = shard(gradient(step, t).to(p.dtype))
-        opt.step()
+    return set_grads
 
 
 def run(precision: str, placement: str, mesh=None, steps: int = STEPS, master: str | None = None):
@@ -97,7 +91,7 @@ def run(precision: str, placement: str, mesh=None, steps: int = STEPS, master: s
     dtype = torch.bfloat16 if master else torch.float32
     params = [torch.nn.Parameter(shard(initial(t).to(dtype))) for t in range(len(SHAPES))]
     opt = make_optimizer(params, precision, placement, master)
-    train(params, opt, range(steps), mesh)
+    train(params, opt, range(steps), gradients_on(mesh))
     return params, opt
 
 
@@ -126,7 +120,7 @@ def resume(precision: str, placement: str, mesh, folder: str, group=None):
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=folder, process_group=group)
     set_state_dict(module, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    train(params, opt, range(CHECKPOINT_AT, STEPS), mesh)
+    train(params, opt, range(CHECKPOINT_AT, STEPS), gradients_on(mesh))
     return params, opt
 
 

@@ -15,20 +15,18 @@ import pytest
 import torch
 
 import fusedoff
+from tests.helpers import make_params, seeded_grads
 
 PLACEMENTS = {"resident": dict(offload="none"), "streamed": dict(offload="stream", chunk_size=32),
               "mixed": dict(offload="stream", chunk_size=32, device_budget=4 * 2 * 40)}
 
 
-def make(n=4, numel=40, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(n)]
+def make(n=4, seed=0):
+    """`n` parameters of 40 elements."""
+    return make_params([(40,)] * n, seed=seed)
 
 
-def grads_for(params, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+GRADS = seeded_grads()  # a step's gradients: GRADS(params, step)
 
 
 def assert_same_as_torch(ours, theirs, opt, ref):
@@ -60,8 +58,8 @@ def test_a_group_whose_tensors_change_steps_the_tensors_it_holds(placement, chan
                     del o.param_groups[0]
         live = [p for g in opt.param_groups for p in g["params"]]
         live_ref = [p for g in ref.param_groups for p in g["params"]]
-        grads_for(live, step)
-        grads_for(live_ref, step)
+        GRADS(live, step)
+        GRADS(live_ref, step)
         opt.step()
         ref.step()
         assert_same_as_torch(live, live_ref, opt, ref)
@@ -93,11 +91,11 @@ def test_options_changed_before_a_groups_first_step_take_effect(placement, optio
 def test_a_step_refused_for_a_bad_option_changes_nothing(placement):
     params = make()
     opt = fusedoff.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, **PLACEMENTS[placement])
-    grads_for(params, 0)
+    GRADS(params, 0)
     opt.step()
     before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
     opt.param_groups[1]["lr"] = None
-    grads_for(params, 1)
+    GRADS(params, 1)
     with pytest.raises(TypeError):
         opt.step()
     after = opt.state_dict()
@@ -124,7 +122,7 @@ def test_replaced_buffer_sets_are_let_go():
     bf16 = [torch.nn.Parameter(torch.randn(40).to(torch.bfloat16)) for _ in range(2)]
     opt = fusedoff.AdamW([{"params": fp32}, {"params": bf16}], lr=1e-2, offload="stream", chunk_size=32)
     for step in range(3):
-        grads_for(fp32, step)
+        GRADS(fp32, step)
         for p in bf16:
             p.grad = torch.randn(40).to(torch.bfloat16)
         opt.step()
@@ -143,7 +141,7 @@ def test_replaced_buffer_sets_are_let_go():
 def test_a_copy_of_apollo_keeps_the_references_int_steps(placement):
     params = make(2)
     opt = fusedoff.Apollo(params, lr=1e-2, **PLACEMENTS[placement])
-    grads_for(params, 0)
+    GRADS(params, 0)
     opt.step()
     for other in (copy.deepcopy(opt),):
         assert all(isinstance(s["step"], int) for s in other.state_dict()["state"].values())

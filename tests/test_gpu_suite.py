@@ -1,6 +1,9 @@
-"""The GPU suite's machinery, the cheap parts of its rehearsal (bash benchmarks/gpu_suite.sh --rehearse runs
-all of it): a build stopped at its limit leaves no lock, later stages never build and never wait, a test
-that hangs cannot eat its stage, and a benchmark killed at any moment keeps every row it measured."""
+"""What the GPU run needs to work the first time on a rarely-lent GPU, checked on the CPU: the cheap parts
+of the GPU suite's rehearsal (bash benchmarks/gpu_suite.sh --rehearse runs all of it): a build stopped at
+its limit leaves no lock, later stages never build and never wait, a test that hangs cannot eat its stage,
+a benchmark killed at any moment keeps every row it measured; and the code of bench_step.py and
+gpu_suite/targets.py that only a GPU run reaches (the GPU peers' bytes, the pinned-link bound, the plan
+of the 1G targets, the verdicts on GPU rows, the closing table of stages that timed out)."""
 
 from __future__ import annotations
 
@@ -15,17 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import bench_step, peers, timing, traffic
+from benchmarks.gpu_suite import cuda_tests, image_packages, jit_build, targets
+from fusedoff import _ext
+from tests.optional_packages import OPTIONAL
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_step  # noqa: E402
-import peers  # noqa: E402
-import timing  # noqa: E402
-import traffic  # noqa: E402
-from gpu_suite import cuda_tests, image_packages, jit_build  # noqa: E402
-
-from fusedoff import _ext  # noqa: E402
-from tests.optional_packages import OPTIONAL  # noqa: E402
+FP32, BF16 = traffic.PRECISIONS["fp32"], traffic.PRECISIONS["bf16_master"]
+G = 2**30
 
 
 # ---- item 1: one build, with a clean limit; later stages load it or nothing -------------------------------
@@ -245,3 +246,166 @@ def test_tests_needing_an_absent_package_skip_instead_of_failing_collection():
                             ("test_integrations", "lightning"), ("test_demo", "matplotlib"),
                             ("test_memory", "matplotlib")):
         assert re.search(rf"SKIPPED \[\d\] tests/{module}.py:\d+: needs {package}, for ", result.stdout), module
+
+
+# ---- what only a GPU run reaches: GPU peers' bytes, the pinned-link bound, the plan, verdicts, the files --
+
+def test_streamed_adamw_bf16_master_moves_12_bytes_each_way():
+    n = G  # 1G params in 4096 x 4096 tensors: every tensor 16-aligned, so no padding
+    numels = [2**24] * (n // 2**24)
+    t = traffic.fusedoff_traffic("adamw", BF16, "stream", numels, 4 * 2**20, "cuda")
+    assert (t.h2d, t.d2h) == (12 * n, 12 * n)  # master + exp_avg + exp_avg_sq, in and out
+    assert t.memory == 28 * n and t.where == "device"
+    fp32 = traffic.fusedoff_traffic("adamw", FP32, "stream", numels, 4 * 2**20, "cuda")
+    assert (fp32.h2d, fp32.d2h) == (8 * n, 8 * n)
+    assert traffic.fusedoff_traffic("adamw", BF16, "none", numels, 4 * 2**20, "cuda").link == 0
+
+
+def test_peer_traffic_by_hand():
+    n = 1000
+    naive = traffic.peer_traffic("naive_offload", BF16, n, "cuda")
+    assert (naive.h2d, naive.d2h) == (12 * n, 12 * n)  # master, exp_avg, exp_avg_sq each way
+    assert naive.memory == (6 + 28 + 6) * n  # upcast g, the step, p.copy_(master)
+    assert traffic.peer_traffic("naive_offload", FP32, n, "cuda").link == 2 * 8 * n
+    zero = traffic.peer_traffic("zero_offload", BF16, n, "cuda")
+    assert (zero.h2d, zero.d2h, zero.memory, zero.where) == (2 * n, 2 * n, 40 * n, "host")
+    zero32 = traffic.peer_traffic("zero_offload", FP32, n, "cuda")
+    assert (zero32.h2d, zero32.d2h, zero32.memory) == (4 * n, 4 * n, 28 * n)
+    assert traffic.peer_traffic("torch_fused", BF16, n, "cuda").memory == 34 * n
+    assert traffic.peer_traffic("torch_fused", FP32, n, "cpu").where == "host"
+    assert traffic.peer_traffic("torchao", BF16, n, "cuda").memory == 14 * n  # bf16 p g m v read, p m v written
+    assert traffic.peer_traffic("bnb_paged", BF16, n, "cuda").memory == 22 * n  # bf16 p g, fp32 m v
+    with pytest.raises(ValueError):
+        traffic.peer_traffic("nope", FP32, n, "cuda")
+
+
+def test_bound_seconds_by_hand():
+    gb = 1e9
+    t = traffic.Traffic(h2d=12 * gb, d2h=12 * gb, memory=28 * gb)
+    bw = traffic.Bandwidth(h2d=50 * gb, d2h=50 * gb, bidir=80 * gb, device=4000 * gb, host=100 * gb)
+    seconds, kind = traffic.bound_seconds(t, bw)
+    assert kind == "pinned link" and seconds == pytest.approx(24 / 80)  # both together bind, not 12/50
+    asym = traffic.Traffic(h2d=24 * gb, d2h=0, memory=gb)
+    assert traffic.bound_seconds(asym, bw)[0] == pytest.approx(24 / 50)  # h2d alone binds
+    resident = traffic.Traffic(memory=28 * gb)
+    assert traffic.bound_seconds(resident, bw) == (pytest.approx(28 / 4000), "device memory")
+    # on CPU: no link measured, the loopback copies are not counted, host memory binds
+    loop = traffic.Traffic(h2d=12 * gb, d2h=12 * gb, memory=28 * gb, where="host")
+    assert traffic.bound_seconds(loop, traffic.Bandwidth(host=20 * gb)) == (pytest.approx(28 / 20), "host memory")
+    assert traffic.bound_seconds(loop, traffic.Bandwidth()) == (None, "")
+
+
+def test_plan_puts_the_targets_first():
+    sizes = [16 * 2**20, 256 * 2**20, G, 2 * G]
+    groups = bench_step.plan_groups(sizes, ["adamw", "apollo"], ["fp32", "bf16_master"])
+    assert groups[:2] == [(G, "adamw", "bf16_master"), (G, "adamw", "fp32")]
+    naive = bench_step.plan_groups(sizes, ["adamw", "apollo"], ["fp32", "bf16_master"], naive_max=256 * 2**20)
+    assert naive[:3] == [(G, "adamw", "bf16_master"), (G, "adamw", "fp32"), (256 * 2**20, "adamw", "bf16_master")]
+    assert naive[3] == (2 * G, "adamw", "bf16_master")  # then the rest, bf16 first, largest first
+    assert sorted(groups) == sorted((s, o, p) for s in sizes for o in ("adamw", "apollo")
+                                    for p in ("fp32", "bf16_master"))
+    # without a size at 1G, the largest below it stands in
+    assert bench_step.plan_groups([2**20, 2**22], ["adamw"], ["fp32"])[0] == (2**22, "adamw", "fp32")
+
+
+def _row(contender, numel, ms, optimizer="adamw", precision="bf16_master", **extra):
+    return {"contender": contender, "numel": numel, "size": timing.format_size(numel), "ms_median": ms,
+            "optimizer": optimizer, "precision": precision, "status": "ok", **extra}
+
+
+def _stream(numel, ms, fraction, kind="pinned link", **extra):
+    return _row("fusedoff_stream", numel, ms, fraction_of_bound=fraction, bound_kind=kind,
+                bound_ms=ms * fraction, h2d_bytes=12 * numel, d2h_bytes=12 * numel, offload="stream",
+                kind="fusedoff", **extra)
+
+
+def test_stream_bound_verdict():
+    assert targets.stream_bound([_stream(G, 100.0, 0.85)]).verdict == "meets"
+    assert targets.stream_bound([_stream(G, 100.0, 0.84)]).verdict == "MISSES"
+    assert targets.stream_bound([_stream(G, 100.0, 0.95, kind="host memory")]).verdict == "MISSES"
+    # the largest size measured is the one judged
+    v = targets.stream_bound([_stream(G, 100.0, 0.5), _stream(2**28, 30.0, 0.9)])
+    assert v.verdict == "MISSES" and "1G" in v.measured
+    skipped = {**_stream(G, 1.0, 0.9), "status": "skipped: needs ~50 s"}
+    assert targets.stream_bound([skipped]).verdict == "not measured"
+
+
+def test_speedup_verdicts_compare_at_the_largest_common_size():
+    rows = [_stream(G, 250.0, 0.9), _stream(2**28, 62.0, 0.9), _row("naive_offload", 2**28, 650.0)]
+    v = targets.vs_naive(rows)  # naive ran at 256M only: compared there, 650 / 62 = 10.48
+    assert v.verdict == "meets" and "256M" in v.measured and "10.48x" in v.measured
+    rows[-1]["ms_median"] = 610.0  # 9.84x
+    assert targets.vs_naive(rows).verdict == "MISSES"
+    assert targets.vs_zero_offload(rows).verdict == "not measured"
+    even = [_stream(G, 250.0, 0.9), _row("zero_offload", G, 250.0)]
+    assert targets.vs_zero_offload(even).verdict == "MISSES"  # faster means strictly faster
+    even[1]["ms_median"] = 251.0
+    assert targets.vs_zero_offload(even).verdict == "meets"
+
+
+def test_none_vs_torch_verdict():
+    rows = [_row("fusedoff_none", G, 100.0, precision="fp32"), _row("torch_fused", G, 95.0, precision="fp32")]
+    assert targets.none_vs_torch(rows).verdict == "meets"  # 95 / 100 = 0.95
+    rows[1]["ms_median"] = 94.0
+    assert targets.none_vs_torch(rows).verdict == "MISSES"
+    bf16_only = [_row("fusedoff_none", G, 100.0), _row("torch_fused", G, 200.0)]  # other dtypes don't count
+    assert targets.none_vs_torch(bf16_only).verdict == "not measured"
+
+
+def test_auto_vs_torch_verdict():
+    rows = [_row("fusedoff_auto", G, 100.0, precision="fp32", opt_streamed_bytes=0),
+            _row("torch_fused", G, 95.0, precision="fp32")]
+    assert targets.auto_vs_torch(rows).verdict == "meets"
+    rows[0]["opt_streamed_bytes"] = 4096  # as fast, but it streamed: 'auto' did not keep a model that fits
+    assert targets.auto_vs_torch(rows).verdict == "MISSES"
+    assert targets.auto_vs_torch(rows[1:]).verdict == "not measured"
+
+
+def test_half_budget_verdict():
+    half = _row("fusedoff_stream_budget50", G, 60.0, h2d_bytes=6 * G)
+    rows = [_stream(G, 100.0, 0.9), half]
+    v = targets.half_budget(rows)
+    assert v.verdict == "meets" and "0.600x" in v.measured and "0.50x" in v.measured
+    half["ms_median"] = 100.0
+    assert targets.half_budget(rows).verdict == "MISSES"
+
+
+def test_stream_8bit_verdict():
+    fp32 = _stream(G, 180.0, 0.9, opt_host_bytes=16 * G)  # 12 bytes a parameter each way
+    compressed = _row("fusedoff_stream_8bit", G, 100.0, h2d_bytes=6 * G, opt_host_bytes=int(6.03 * G))
+    v = targets.stream_8bit([fp32, compressed])
+    assert v.verdict == "meets" and "1.80x" in v.measured and "2.00x" in v.measured and "host 8-bit 6.03 GiB" in v.measured
+    compressed["ms_median"] = 101.0  # 1.78x
+    assert targets.stream_8bit([fp32, compressed]).verdict == "MISSES"
+    assert targets.stream_8bit([fp32]).verdict == "not measured"
+
+
+def test_stream_memory_verdict():
+    bound = 96 * 2**20
+    row = _stream(G, 1.0, 0.9, gpu_peak_bytes=int(bound * 1.009), gpu_peak_first_step_bytes=bound * 2,
+                  buffer_bound_bytes=bound, opt_device_peak_bytes=bound)
+    assert targets.stream_memory([row]).verdict == "meets"
+    row["gpu_peak_bytes"] = int(bound * 1.011)
+    assert targets.stream_memory([row]).verdict == "MISSES"
+    assert targets.stream_memory([_stream(G, 1.0, 0.9)]).verdict == "not measured"  # no GPU figure (CPU run)
+
+
+def test_csv_round_trip(tmp_path):
+    rows = [{"a": 1, "b": 2.5, "c": "x"}, {"a": 3, "d": None}]
+    timing.write_csv(tmp_path / "r.csv", rows, {"meta": "m"})
+    back = timing.read_csv(tmp_path / "r.csv")
+    assert back == [{"a": 1, "b": 2.5, "c": "x", "d": None, "meta": "m"},
+                    {"a": 3, "b": None, "c": None, "d": None, "meta": "m"}]
+
+
+def test_markdown_table_leaves_missing_cells_blank():
+    table = timing.markdown_table([{"x": 1.0}, {}], [("x", lambda r: f"{r['x']:.1f}"), ("y", lambda r: r["y"])])
+    assert table.splitlines() == ["| x | y |", "|---|---|", "| 1.0 |  |", "|  |  |"]
+
+
+def test_suite_stages(tmp_path):
+    (tmp_path / "stages.tsv").write_text("build\t0\t120\t270\tbuilt\ntests\t124\t120\t120\t\nbench\t200\t0\t0\tno\n")
+    stages = targets.read_stages(tmp_path / "stages.tsv")
+    assert [targets.stage_status(s) for s in stages] == ["ok", "TIMED OUT at 120 s", "skipped"]
+    report = targets.suite_report(tmp_path)
+    assert "no benchmark CSV" in report and "TIMED OUT" in report

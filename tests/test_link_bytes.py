@@ -11,20 +11,18 @@ runtimes for a few cases. The placement under a budget is re-derived here too (g
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fusedoff
+from benchmarks import traffic
 from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.testing.simulator import SimulatedRuntime
 from fusedoff.testing.timed import TimedRuntime
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import traffic  # noqa: E402
+from tests.helpers import make_params
 
 # Tensors spanning 32-element chunks and sharing them, a 0-d one, odd lengths (partial 8-bit blocks).
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]
@@ -52,11 +50,6 @@ CASES = [(name, state) for name, (_, _, config, amsgrad) in OPTIMIZERS.items()
 CASE_IDS = [f"{name}-{state}-states" for name, state in CASES]
 # The device budget: none, or half the bytes of every tensor's states (some tensors fit, some stream).
 PLACEMENTS = {"streamed": None, "mixed": 0.5}
-
-
-def make_params(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
 
 
 def give_grads(params, gen):
@@ -118,7 +111,7 @@ def run_and_check(name, state, dtype, master, fraction, device="cpu"):
     budget, numels = model_placement(name, state, precision, fraction)
     h2d, d2h = model_link(name, state, precision, numels)
     assert numels and h2d > 0 and d2h > 0  # something streams (and with a budget, something stays: below)
-    params = make_params(dtype, device)
+    params = make_params(SHAPES, dtype, device=device)
     placement = dict(offload="stream", chunk_size=CHUNK) | ({} if budget is None else dict(device_budget=budget))
     opt = make_optimizer(name, state, params, dtype, master, **placement)
     gen = torch.Generator().manual_seed(1)
@@ -175,7 +168,7 @@ def test_every_runtime_counts_alike(runtime, name, state):
 
 
 def test_resident_states_copy_nothing_and_counts_survive_replacing():
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     opt = fusedoff.AdamW(params, offload="none")
     give_grads(params, gen)
@@ -256,7 +249,7 @@ def test_a_parameter_written_between_steps_costs_nothing_over_the_link(placement
     precision = model_precision(torch.bfloat16, "fp32")
     budget, numels = model_placement("AdamW", "fp32", precision, PLACEMENTS[placement])
     h2d, d2h = model_link("AdamW", "fp32", precision, numels)
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16)
     written = params[2]  # 300 elements: streamed in both placements
     sims, factory = simulator()
     gen = torch.Generator().manual_seed(1)

@@ -10,6 +10,7 @@ import fusedoff
 from fusedoff import memory
 from fusedoff.demo import UpcastMixedPrecision
 from fusedoff.kernels.reference import ApolloReference
+from tests.helpers import make_params
 from tests.optional_packages import require
 
 # Odd sizes: a 0-d tensor and lengths that are not multiples of the host store's 16-element alignment
@@ -18,14 +19,6 @@ SHAPES = ((), (1,), (7,), (4097,), (33, 5))
 # Each optimizer with every state precision it takes (Apollo keeps fp32 states only).
 KINDS = [("adamw", "fp32"), ("adamw", "bf16"), ("adamw", "8bit"), ("apollo", "fp32")]
 KIND_IDS = [f"{kind}-{precision}" for kind, precision in KINDS]
-
-
-def make_params(dtype, shapes=SHAPES, device="cpu"):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in shapes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=dtype)
-    return params
 
 
 def nbytes(tensors) -> int:
@@ -46,7 +39,7 @@ def state_tensors(opt, keep) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
 def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kind, precision, dtype):
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, grads=True)
     opt = make_optimizer(kind, precision, params, offload="none")
     opt.step()
     got = memory.predict(params, optimizer=kind, offload="none", state_precision=precision)
@@ -63,7 +56,7 @@ def test_fusedoff_without_offload_predicts_the_states_and_masters_it_creates(kin
 @pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
 def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, dtype):
     # With CPU parameters offload="stream" runs the same store and buffer rotation as on a GPU.
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, grads=True)
     chunk = 256  # several chunks, tensors spanning them
     options = dict(offload="stream", chunk_size=chunk, num_buffers=3)
     opt = make_optimizer(kind, precision, params, **options)
@@ -94,7 +87,7 @@ def test_streamed_fusedoff_predicts_its_host_store_and_buffers(kind, precision, 
 def test_split_masters_are_predicted_as_the_optimizer_keeps_them(kind, precision, offload, master_precision):
     """A split master's low bits (2 or 1 bytes per element) on the device or in the host store: the
     prediction against the tensors and slabs the optimizer holds and the bytes its step counted."""
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, grads=True)
     options = dict(offload=offload, master_precision=master_precision) | (
         dict(chunk_size=256) if offload == "stream" else {})
     opt = make_optimizer(kind, precision, params, **options)
@@ -112,7 +105,7 @@ def test_split_masters_are_predicted_as_the_optimizer_keeps_them(kind, precision
 
 
 def test_check_memory_stats_reports_a_difference():
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, grads=True)
     opt = fusedoff.AdamW(params, offload="stream", chunk_size=256)
     opt.step()
     amsgrad = memory.predict(params, offload="stream", chunk_size=256, amsgrad=True)  # one state too many
@@ -124,7 +117,7 @@ def test_check_memory_stats_reports_a_difference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
 def test_a_device_budget_splits_the_prediction_as_the_optimizer_places_states(kind, precision, dtype):
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, grads=True)
     # The first tensor (one element) by hand: its states (8-bit: a code and a block scale for each
     # moment) and master; then only what fits the rest.
     first = {"fp32": 3 * 4 if kind == "apollo" else 2 * 4, "bf16": 2 * 2, "8bit": 2 * (1 + 4)}[precision]
@@ -160,7 +153,7 @@ def test_apollo_prediction_moves_what_its_phases_declare(apollo, dtype):
     """Apollo's streamed step moves, per phase, the states that phase declares: the prediction asks the
     class for its phases under `options`, and agrees with the copies the step counted, tensors spanning
     chunks (a pass per phase) and chunks of whole tensors (one pass) alike."""
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, grads=True)
     options = dict(offload="stream", chunk_size=64)
     opt = fusedoff.Apollo(params, lr=0.01, **apollo, **options)
     opt.step()
@@ -173,7 +166,7 @@ def test_apollo_prediction_moves_what_its_phases_declare(apollo, dtype):
 
 
 def test_check_memory_stats_reports_link_bytes_that_differ():
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, grads=True)
     options = dict(offload="stream", chunk_size=64)
     opt = fusedoff.Apollo(params, lr=0.01, weight_decay=0.01, rebound="belief", weight_decay_type="stable", **options)
     opt.step()
@@ -219,7 +212,7 @@ def test_compressed_states_predicted_from_shapes_alone():
 
 
 def test_state_precision_refused_where_the_setup_does_not_take_it():
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, grads=True)
     for setup in ("plain", "upcast"):
         with pytest.raises(ValueError, match="state_precision='8bit' is a fusedoff option"):
             memory.predict(params, setup=setup, state_precision="8bit")
@@ -232,7 +225,7 @@ def test_state_precision_refused_where_the_setup_does_not_take_it():
 
 
 def test_the_label_and_the_table_say_a_compressed_precision():
-    params = make_params(torch.bfloat16, shapes=((1024, 1024),))
+    params = make_params(((1024, 1024),), torch.bfloat16, grads=True)
     eight = memory.predict(params, offload="stream", device="cuda", state_precision="8bit")
     upcast = memory.predict(params, setup="upcast")
     assert (eight.label, eight.state_precision, upcast.state_precision) == ("fusedoff stream 8bit", "8bit", None)
@@ -244,7 +237,7 @@ def test_the_label_and_the_table_say_a_compressed_precision():
 
 @pytest.mark.parametrize("kind", ["adamw", "apollo"])
 def test_plain_setup_predicts_the_states_of_torch_and_the_reference_on_bf16_parameters(kind):
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, grads=True)
     opt = ApolloReference(params, lr=0.01) if kind == "apollo" else torch.optim.AdamW(params, fused=True)
     opt.step()
     got = memory.predict(params, setup="plain", optimizer=kind)
@@ -253,7 +246,7 @@ def test_plain_setup_predicts_the_states_of_torch_and_the_reference_on_bf16_para
 
 
 def test_upcast_setup_predicts_masters_fp32_gradient_copies_and_fp32_states():
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, grads=True)
     opt = UpcastMixedPrecision(params, lambda masters: torch.optim.AdamW(masters, fused=True))
     opt.step()
     got = memory.predict(params, setup="upcast")
@@ -356,7 +349,7 @@ def test_cuda_phases_reset_and_read_the_peak_counter(monkeypatch):
 
 
 def test_table_shows_every_component_and_the_remainder_of_each_phase():
-    params = make_params(torch.bfloat16, shapes=((1024, 1024),))  # 2 MiB of bf16
+    params = make_params(((1024, 1024),), torch.bfloat16, grads=True)  # 2 MiB of bf16
     ours = memory.predict(params, offload="stream", chunk_size=2**17, device="cuda", label="fusedoff stream")
     upcast = memory.predict(params, setup="upcast", label="torch + upcast")
     report = memory.MemoryReport("cpu")
@@ -388,7 +381,7 @@ def test_table_shows_every_component_and_the_remainder_of_each_phase():
 
 def test_plot_writes_a_png(tmp_path):
     require("matplotlib")
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, grads=True)
     report = memory.MemoryReport("cpu")
     with report.phase("forward"):
         pass
@@ -404,7 +397,7 @@ def test_cuda_measured_step_matches_the_prediction(setup):
     shapes = [(2**20,)] * 4 + [(512, 1024)]
     torch.cuda.synchronize()
     report = memory.MemoryReport("cuda")
-    params = make_params(torch.bfloat16, shapes=shapes, device="cuda")
+    params = make_params(shapes, torch.bfloat16, device="cuda", grads=True)
     for p in params:
         p.grad = None
     chunk = 2**18

@@ -18,13 +18,13 @@ import fusedoff
 from fusedoff.offload.contract import StateSpec
 from fusedoff.offload.plan import ALIGN_ELEMENTS, ChunkPlan
 from fusedoff.offload.store import HostStateStore
-from tests.helpers import backend_params, relative_l2_error
+from tests.helpers import backend_params, drawn_grads, make_params, relative_l2_error, train
 
 SHAPES = [(), (1,), (7,), (33, 5), (300,), (0,), (16,)]
 
 
 def test_chunk_plan_knows_chunks_of_whole_tensors():
-    plan = ChunkPlan([t.numel() for t in make_params()], 48)
+    plan = ChunkPlan([t.numel() for t in make_params(SHAPES)], 48)
     whole = [plan.whole_tensors_only(c) for c in plan.chunks]
     assert whole[0] and whole[-1] and not any(whole[1:-1])  # both kinds, as the Apollo test relies on
 
@@ -92,20 +92,11 @@ def test_host_store_hands_out_views_of_one_slab_per_tensor():
     assert store.nbytes == 2 * plan.total * 4 <= 2 * 4 * (sum(numels) + ALIGN_ELEMENTS * len(numels))
 
 
-def make_params(dtype=torch.float32, seed=0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
-
-
 def run(opt_factory, dtype, steps, seed=1, skip=None, device="cpu"):
-    params = make_params(dtype, device=device)
+    """Trains the tensors of SHAPES in `dtype` for `steps` steps of a run's gradients from `seed`."""
+    params = make_params(SHAPES, dtype, device=device)
     opt = opt_factory(params)
-    gen = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        for i, p in enumerate(params):
-            grad = (torch.randn(p.shape, generator=gen) * 0.1).to(device, dtype)
-            p.grad = None if skip and skip(step, i) else grad
-        opt.step()
+    train(params, opt, steps, drawn_grads(seed, 0.1, skip))
     return params, opt
 
 
@@ -213,7 +204,7 @@ def test_memory_stats_report_the_host_store():
 ])
 def test_invalid_offload_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        fusedoff.AdamW(make_params(), **kwargs)
+        fusedoff.AdamW(make_params(SHAPES), **kwargs)
 
 
 def test_chunk_size_is_rounded_up_to_the_alignment():
@@ -232,7 +223,7 @@ def test_cuda_streamed_matches_resident(cls, kwargs):
     """Real streams: two groups, a tensor sitting out a step, chunks of whole and of spanning tensors."""
     runs = {}
     for offload in ("none", "stream"):
-        params = [torch.nn.Parameter(p.detach().cuda().to(torch.bfloat16)) for p in make_params()]
+        params = [torch.nn.Parameter(p.detach().cuda().to(torch.bfloat16)) for p in make_params(SHAPES)]
         opt = cls([{"params": params[:4]}, {"params": params[4:]}], offload=offload, chunk_size=48, **kwargs)
         gen = torch.Generator().manual_seed(1)
         for step in range(6):

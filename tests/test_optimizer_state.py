@@ -19,6 +19,7 @@ import torch
 import fusedoff
 from fusedoff.kernels.reference import ApolloReference
 from fusedoff.offload import placement
+from tests.helpers import make_params, seeded_grads, train
 
 SHAPES = [(33, 5), (7,), (300,), (16,), ()]  # 165, 7, 300, 16, 1 elements
 ADAM = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9))
@@ -35,26 +36,7 @@ def modes(bytes_per_element: int) -> dict[str, dict]:
 
 
 MODES = list(modes(8))
-
-
-def make_params(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-
-def grads_for(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=gen) * 0.1 for s in SHAPES]
-
-
-def train(opt, params, steps, between=None, start=0):
-    """Steps `opt` with seeded gradients; `between(opt, params, step)` runs after each step."""
-    for step in range(start, start + steps):
-        for p, g in zip(params, grads_for(step)):
-            p.grad = g.clone()
-        opt.step()
-        if between is not None:
-            between(opt, params, step)
+GRADS = seeded_grads(0.1)  # a step's gradients: GRADS(params, step), or train(..., GRADS)
 
 
 def snapshot(opt, params) -> list[dict]:
@@ -82,12 +64,12 @@ def assert_same(got_params, got_states, want_params, want_states, *, exact=True,
 
 @pytest.mark.parametrize("mode", MODES)
 def test_states_are_entries_of_opt_state_and_read_after_step_sees_that_step(mode):
-    params, ref_params = make_params(), make_params()
+    params, ref_params = make_params(SHAPES), make_params(SHAPES)
     opt = fusedoff.AdamW(params, **ADAM, **modes(8)[mode])
     ref = torch.optim.AdamW(ref_params, **ADAM, foreach=False)
     for step in range(4):
-        train(opt, params, 1, start=step)
-        train(ref, ref_params, 1, start=step)
+        train(params, opt, range(step, step + 1), GRADS)
+        train(ref_params, ref, range(step, step + 1), GRADS)
         # torch's fp32 AdamW rounds a few operations differently: measured 1.2e-7 relative at most
         # over these steps; the bound leaves 10x (the bugs this guards are 1e-2 and larger).
         assert_same(params, snapshot(opt, params), ref_params, snapshot(ref, ref_params), exact=False,
@@ -123,32 +105,32 @@ def scenario_edit(opt, params, step):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_assigned_state_of_the_wrong_size_is_refused_before_anything_changes(mode):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, **ADAM, **modes(8)[mode])
-    train(opt, params, 2)
+    train(params, opt, 2, GRADS)
     before = snapshot(opt, params), [p.detach().clone() for p in params]
     # The 165-element tensor (resident in the mix) and the 300-element one (streamed in the mix).
     for index in (0, 2):
         opt.state[params[index]]["exp_avg"] = torch.zeros(params[index].numel() + 1)
         with pytest.raises(ValueError, match="elements"):
-            train(opt, params, 1, start=2)
+            train(params, opt, range(2, 3), GRADS)
         opt.state[params[index]]["exp_avg"] = before[0][index]["exp_avg"].clone()
     assert_same(params, snapshot(opt, params), before[1], before[0])
 
 
 @pytest.mark.parametrize("scenario", [scenario_reset, scenario_edit], ids=["reset", "edit"])
 def test_the_engine_follows_what_opt_state_holds(scenario):
-    ref_params = make_params()
+    ref_params = make_params(SHAPES)
     ref = torch.optim.AdamW(ref_params, **ADAM, foreach=False)
-    train(ref, ref_params, 6, scenario)
-    plain_params = make_params()
+    train(ref_params, ref, 6, GRADS, scenario)
+    plain_params = make_params(SHAPES)
     plain = torch.optim.AdamW(plain_params, **ADAM, foreach=False)
-    train(plain, plain_params, 6)
+    train(plain_params, plain, 6, GRADS)
     results = {}
     for mode, options in modes(8).items():
-        params = make_params()
+        params = make_params(SHAPES)
         opt = fusedoff.AdamW(params, **ADAM, **options)
-        train(opt, params, 6, scenario)
+        train(params, opt, 6, GRADS, scenario)
         results[mode] = params, snapshot(opt, params)
         # Measured against torch: 2.4e-7 relative at most; the scenario itself moves the weights
         # by 1e-2 (checked below), so a state the engine ignored would fail by far.
@@ -161,11 +143,11 @@ def test_the_engine_follows_what_opt_state_holds(scenario):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_apollo_state_reset_matches_the_reference(mode):
-    params, ref_params = make_params(), make_params()
+    params, ref_params = make_params(SHAPES), make_params(SHAPES)
     opt = fusedoff.Apollo(params, **APOLLO, **modes(12)[mode])
     ref = ApolloReference(ref_params, **APOLLO)
-    train(opt, params, 5, scenario_reset)
-    train(ref, ref_params, 5, scenario_reset)
+    train(params, opt, 5, GRADS, scenario_reset)
+    train(ref_params, ref, 5, GRADS, scenario_reset)
     for a, b in zip(params, ref_params):
         # The fused and eager sums round differently: measured 3e-7 relative; 10x margin.
         torch.testing.assert_close(a.detach(), b.detach(), rtol=3e-6, atol=1e-7)
@@ -197,9 +179,9 @@ def _torch_save(opt, params):
                          ids=["AdamW", "Apollo"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_copy_steps_exactly_as_the_original(how, cls, kwargs, per_element, mode):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = cls(params, **kwargs, **modes(per_element)[mode], backend="cpu")
-    train(opt, params, 3)
+    train(params, opt, 3, GRADS)
     copied_params, copied = how(opt, params)
     assert type(copied) is cls and copied.param_groups[0]["backend"] == "cpu"
     for p, q in zip(params, copied_params):
@@ -207,8 +189,8 @@ def test_a_copy_steps_exactly_as_the_original(how, cls, kwargs, per_element, mod
             if key != "step":  # host tensors, not sharing memory with the original
                 assert value.device.type == "cpu"
                 assert value.untyped_storage().data_ptr() != opt.state[p][key].untyped_storage().data_ptr()
-    train(opt, params, 3, start=3)
-    train(copied, copied_params, 3, start=3)
+    train(params, opt, range(3, 6), GRADS)
+    train(copied_params, copied, range(3, 6), GRADS)
     assert_same(copied_params, snapshot(copied, copied_params), params, snapshot(opt, params))
     mine, theirs = opt.memory_stats(), copied.memory_stats()
     for key in ("resident_bytes", "streamed_bytes", "device_budget", "chunk_size", "num_buffers"):
@@ -265,33 +247,33 @@ def test_compiled_training_step_equals_eager(mode, compile_backend):
 # ---- placement -----------------------------------------------------------------------------------
 
 def test_set_device_budget_moves_states_and_keeps_their_values():
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, **ADAM, offload="stream", chunk_size=32)
-    ref_params = make_params()
+    ref_params = make_params(SHAPES)
     ref = fusedoff.AdamW(ref_params, **ADAM, offload="none")
-    train(opt, params, 2)
-    train(ref, ref_params, 2)
+    train(params, opt, 2, GRADS)
+    train(ref_params, ref, 2, GRADS)
     assert opt.memory_stats()["resident_bytes"] == 0
     opt.set_device_budget(10**9)
-    train(opt, params, 2, start=2)
-    train(ref, ref_params, 2, start=2)
+    train(params, opt, range(2, 4), GRADS)
+    train(ref_params, ref, range(2, 4), GRADS)
     stats = opt.memory_stats()
     assert stats["streamed_bytes"] == 0 and stats["resident_bytes"] == 8 * 489 and stats["device_budget"] == 10**9
     opt.set_device_budget(0)
-    train(opt, params, 2, start=4)
-    train(ref, ref_params, 2, start=4)
+    train(params, opt, range(4, 6), GRADS)
+    train(ref_params, ref, range(4, 6), GRADS)
     assert opt.memory_stats()["resident_bytes"] == 0
     assert_same(params, snapshot(opt, params), ref_params, snapshot(ref, ref_params))
 
 
 def test_auto_keeps_cpu_states_in_place_and_stream_mode_defaults_to_no_budget():
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, offload="auto")
-    train(opt, params, 1)
+    train(params, opt, 1, GRADS)
     assert opt.memory_stats()["streamed_bytes"] == 0 and opt.memory_stats()["device_budget"] is None
-    opt = fusedoff.AdamW(make_params(), offload="stream")
+    opt = fusedoff.AdamW(make_params(SHAPES), offload="stream")
     assert opt.memory_stats()["device_budget"] is None  # not decided before the first step
-    train(opt, opt.param_groups[0]["params"], 1)
+    train(opt.param_groups[0]["params"], opt, 1, GRADS)
     assert opt.memory_stats()["device_budget"] == 0 and opt.memory_stats()["resident_bytes"] == 0
 
 
@@ -306,17 +288,17 @@ def test_auto_budget_leaves_headroom_and_room_for_buffers(total, peak, needed, b
 
 
 def test_load_state_dict_places_states_afresh_and_keeps_values():
-    params = make_params()
+    params = make_params(SHAPES)
     opt = fusedoff.AdamW(params, **ADAM, offload="stream", chunk_size=32, device_budget=8 * 172)
-    train(opt, params, 3)
+    train(params, opt, 3, GRADS)
     saved = copy.deepcopy(opt.state_dict())
     other_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = fusedoff.AdamW(other_params, **ADAM, offload="stream", chunk_size=32)
     other.load_state_dict(saved)
     # Loaded straight into place: streamed states are views of the host store before any step.
     assert other.memory_stats()["streamed_bytes"] == 8 * (176 + 16 + 304 + 16 + 16)
-    train(opt, params, 2, start=3)
-    train(other, other_params, 2, start=3)
+    train(params, opt, range(3, 5), GRADS)
+    train(other_params, other, range(3, 5), GRADS)
     assert_same(other_params, snapshot(other, other_params), params, snapshot(opt, params))
 
 
@@ -325,13 +307,13 @@ def test_load_state_dict_places_states_afresh_and_keeps_values():
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_states_read_right_after_step_are_that_steps(mode):
-    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
-    ref_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES)]
+    ref_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES)]
     opt = fusedoff.AdamW(params, **ADAM, **modes(8)[mode])
     ref = fusedoff.AdamW(ref_params, **ADAM, offload="none")
     for step in range(4):
-        for p, q, g in zip(params, ref_params, grads_for(step)):
-            p.grad, q.grad = g.cuda(), g.cuda()
+        GRADS(params, step)
+        GRADS(ref_params, step)
         opt.step()
         ref.step()
         # No synchronisation here: the read itself must wait for the step's copies back.
@@ -344,7 +326,7 @@ def test_cuda_states_read_right_after_step_are_that_steps(mode):
 
 @pytest.mark.cuda
 def test_cuda_auto_decides_the_budget_at_the_first_step_from_an_injected_figure(monkeypatch):
-    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES)]
     needed = 8 * 489
     # A device of 10 MiB whose forward and backward peaked 1 KiB short of room for every state.
     total = 10 * 2**20
@@ -353,8 +335,7 @@ def test_cuda_auto_decides_the_budget_at_the_first_step_from_an_injected_figure(
     monkeypatch.setattr(CudaRuntime, "memory_info", lambda self: (total, int(total * 0.9) - needed + 1024 - 2048))
     opt = fusedoff.AdamW(params, **ADAM, chunk_size=32)  # offload="auto"
     assert opt.memory_stats()["device_budget"] is None
-    for p, g in zip(params, grads_for(0)):
-        p.grad = g.cuda()
+    GRADS(params, 0)
     opt.step()
     stats = opt.memory_stats()
     assert stats["device_budget"] == needed and stats["resident_bytes"] == needed and stats["streamed_bytes"] == 0

@@ -23,7 +23,7 @@ import torch
 
 import fusedoff
 from fusedoff.kernels.master import param_of_master
-from tests.helpers import ParameterListModel, device_of
+from tests.helpers import ParameterListModel, assert_bitwise_equal, device_of, train
 
 SHAPES = ((33, 7), (33,), (5, 33), (5,))
 LR = 1e-2
@@ -106,37 +106,29 @@ def run(optimizer, dtype, placement, write=None, index=0, assign_master=False, r
         model = ParameterListModel(SHAPES, dtype)
         params = list(model.weights)
         opt = make_optimizer(optimizer, params, placement)
-        for step in range(STEPS_BEFORE + 1):
-            if step == STEPS_BEFORE:
-                if write is not None:
-                    write(model, index, dtype)
-                    if assign_master:
-                        master = params[index].detach().float()
-                        if callable(assign_master):
-                            master = assign_master(master, opt.state[params[index]]["master_param"])
-                        opt.state[params[index]]["master_param"] = master
-                before = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
-                          for p in params] if read_before else None  # reading waits for the host
-                written = params[index].detach().clone()
-            for p, g in zip(params, gradients(step, dtype)):
-                p.grad = g
-            opt.step()
+        train(params, opt, STEPS_BEFORE)  # (seeded_grads: gradients(step, dtype))
+        if write is not None:
+            write(model, index, dtype)
+            if assign_master:
+                master = params[index].detach().float()
+                if callable(assign_master):
+                    master = assign_master(master, opt.state[params[index]]["master_param"])
+                opt.state[params[index]]["master_param"] = master
+        before = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+                  for p in params] if read_before else None  # reading waits for the host
+        written = params[index].detach().clone()
+        train(params, opt, range(STEPS_BEFORE, STEPS_BEFORE + 1))
         states = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in params]
     return [p.detach().clone() for p in params], states, before, written
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    assert torch.equal(got.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
 
 
 def assert_runs_equal(params, states, want_params, want_states, skip: int | None = None) -> None:
     """Every tensor but `skip`: the parameter and each state bit for bit as in the other run."""
     for t in range(len(SHAPES)):
         if t != skip:
-            assert_bits_equal(params[t], want_params[t], f"parameter {t}")
+            assert_bitwise_equal(params[t], want_params[t], f"parameter {t}")
             for name in states[t]:
-                assert_bits_equal(states[t][name], want_states[t][name], f"{name} of tensor {t}")
+                assert_bitwise_equal(states[t][name], want_states[t][name], f"{name} of tensor {t}")
 
 
 def torch_adamw_master(written, grad, before, dtype):
@@ -173,11 +165,11 @@ def test_the_next_step_starts_from_the_written_parameter(placement, optimizer, d
     # Before the step: only the master of the written tensor follows it; its other states are kept.
     for name, value in before[index].items():
         if isinstance(value, torch.Tensor) and name not in ("master_param", "step"):
-            assert_bits_equal(value, untouched_before[index][name], f"{name} before the step")
+            assert_bitwise_equal(value, untouched_before[index][name], f"{name} before the step")
     # The step started from the written value: as the master assigned that value through opt.state ...
     for name in states[index]:
-        assert_bits_equal(states[index][name], assigned_states[index][name], f"{name} of the written tensor")
-    assert_bits_equal(params[index], assigned[index], "the written parameter")
+        assert_bitwise_equal(states[index][name], assigned_states[index][name], f"{name} of the written tensor")
+    assert_bitwise_equal(params[index], assigned[index], "the written parameter")
     # ... not from the master it had (which gives the run without the write) ...
     assert not torch.equal(params[index], untouched[index])
     if optimizer == "AdamW":  # ... one step away from it (the stale master was about 8 away), as torch.optim.AdamW steps it
@@ -228,16 +220,16 @@ def test_only_the_written_elements_take_the_parameter(placement, optimizer, dtyp
     assigned, assigned_states, _, _ = run(optimizer, dtype, placement, write, index,
                                           assign_master=master_of_written_elements)
     # As the masters assigned the written values through opt.state, the others kept, bit for bit ...
-    assert_bits_equal(params[index], assigned[index], "the written parameter")
+    assert_bitwise_equal(params[index], assigned[index], "the written parameter")
     for name in states[index]:
-        assert_bits_equal(states[index][name], assigned_states[index][name], f"{name} of the written tensor")
+        assert_bitwise_equal(states[index][name], assigned_states[index][name], f"{name} of the written tensor")
     # ... the unwritten elements: the parameter and every state as without the write (no sum of
     # Apollo's reads the weights without weight decay) ...
     kept = ~written_elements(written.shape)
-    assert_bits_equal(params[index][kept], untouched[index][kept], "unwritten elements of the parameter")
+    assert_bitwise_equal(params[index][kept], untouched[index][kept], "unwritten elements of the parameter")
     for name, value in states[index].items():
         want = untouched_states[index][name]
-        assert_bits_equal(value if name == "step" else value[kept], want if name == "step" else want[kept],
+        assert_bitwise_equal(value if name == "step" else value[kept], want if name == "step" else want[kept],
                           f"unwritten elements' {name}")
     # ... and the written ones stepped from the written values, as torch.optim.AdamW steps them.
     if optimizer == "AdamW":
@@ -301,7 +293,7 @@ def test_a_master_loaded_beside_torch_s_cast_keeps_every_bit(placement, precisio
         zero_gradient_step(opt, params)
         loaded = opt.fp32_state_dict()["state"]
         for t, (p, m) in enumerate(zip(params, masters)):
-            assert_bits_equal(loaded[t]["master_param"].reshape(m.shape), m, f"master {t}")
+            assert_bitwise_equal(loaded[t]["master_param"].reshape(m.shape), m, f"master {t}")
             u = m.view(torch.int32).long() & 0xFFFFFFFF
             torch_cast = m.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
             assert (torch_cast != (u >> 16) + 1).logical_and((u & 0xFFFF) == 0x8000).sum() > 0  # ties it rounds down
@@ -327,7 +319,7 @@ def test_a_split_load_refused_after_its_ties_were_found_leaves_the_parameters_as
     with pytest.raises(ValueError, match="cannot be converted"):
         load_masters(opt, params, masters, "load_state_dict")
     for t, (p, b) in enumerate(zip(params, before)):
-        assert_bits_equal(p.detach(), b, f"parameter {t}")
+        assert_bitwise_equal(p.detach(), b, f"parameter {t}")
     monkeypatch.undo()
     load_masters(opt, params, masters, "load_state_dict")  # the same load, converted: the ties move
     assert any(not torch.equal(p.detach().view(torch.int16), b.view(torch.int16)) for p, b in zip(params, before))
@@ -354,7 +346,7 @@ def test_an_fp16_parameter_rounded_away_at_a_tie_keeps_its_master(placement, thr
         load_masters(opt, params, masters, through)
         zero_gradient_step(opt, params)
         for t, (p, m) in enumerate(zip(params, masters)):
-            assert_bits_equal(opt.state[p]["master_param"].reshape(m.shape), m, f"master {t}")
+            assert_bitwise_equal(opt.state[p]["master_param"].reshape(m.shape), m, f"master {t}")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -374,14 +366,7 @@ def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, o
     with device_of(placement):
         model = ParameterListModel(SHAPES, dtype)
         opt = make_optimizer("AdamW", list(model.weights), placement)
-
-        def train(model, opt, steps):
-            for step in steps:
-                for p, g in zip(model.weights, gradients(step, dtype)):
-                    p.grad = g
-                opt.step()
-
-        train(model, opt, range(3))
+        train(list(model.weights), opt, range(3))
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt = opt.state_dict()
         saved_opt = {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
@@ -391,25 +376,25 @@ def test_a_resumed_run_continues_exactly_whatever_the_loading_order(placement, o
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
             loaded = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
             saved_model, saved_opt = loaded["model"], loaded["optimizer"]
-        train(model, opt, range(3, 6))
+        train(list(model.weights), opt, range(3, 6))
 
         resumed = ParameterListModel(SHAPES, dtype)
         with torch.no_grad():
             for p in resumed.weights:
                 p.add_(1.0)  # other weights than the checkpoint's, until it is loaded
         resumed_opt = make_optimizer("AdamW", list(resumed.weights), placement)
-        train(resumed, resumed_opt, range(1))  # masters of the other weights exist already
+        train(list(resumed.weights), resumed_opt, range(1))  # masters of the other weights exist already
         if order == "model first":
             resumed.load_state_dict(saved_model)
             resumed_opt.load_state_dict(saved_opt)
         else:
             resumed_opt.load_state_dict(saved_opt)
             resumed.load_state_dict(saved_model)
-        train(resumed, resumed_opt, range(3, 6))
+        train(list(resumed.weights), resumed_opt, range(3, 6))
         for t, (got, want) in enumerate(zip(resumed.weights, model.weights)):
-            assert_bits_equal(got.detach(), want.detach(), f"parameter {t}")
+            assert_bitwise_equal(got.detach(), want.detach(), f"parameter {t}")
             for name, value in opt.state[want].items():
-                assert_bits_equal(resumed_opt.state[got][name], value, f"{name} of tensor {t}")
+                assert_bitwise_equal(resumed_opt.state[got][name], value, f"{name} of tensor {t}")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

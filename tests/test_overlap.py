@@ -19,6 +19,7 @@ import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
 from fusedoff.testing.timed import Rates, TimedRuntime, predict
+from tests.helpers import assert_bitwise_equal
 
 WIDTH, LAYERS, STEPS = 24, 4, 4
 PLACEMENTS = {"streamed": dict(offload="stream", chunk_size=256),
@@ -70,7 +71,7 @@ def record_after_phase_reads(opt, sims):
     opt._fused_update = fused_update
 
 
-def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
+def training_run(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
           read_state=False):
     """`read_state`: read every state right after each step (a host synchronisation, which orders
     everything the main stream does after it: off, the waits alone order the next forward)."""
@@ -114,30 +115,19 @@ def train(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, rem
     return [p.detach().clone() for p in model.parameters()], seen
 
 
-def assert_bit_equal(got, want):
-    (got_params, got_seen), (want_params, want_seen) = got, want
-    for a, b in zip(got_params, want_params):
-        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-    for step_got, step_want in zip(got_seen, want_seen):
-        for state_got, state_want in zip(step_got, step_want):
-            assert state_got.keys() == state_want.keys()
-            for name in state_got:
-                assert torch.equal(state_got[name], state_want[name]), name
-
-
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(3))
 def test_the_overlapped_step_equals_the_plain_one_without_a_race(placement, precision, dtype, seed):
-    plain = train(dtype, precision, placement, overlap=False, seed=seed)
-    assert_bit_equal(train(dtype, precision, placement, overlap=True, seed=seed), plain)
+    plain = training_run(dtype, precision, placement, overlap=False, seed=seed)
+    assert_bitwise_equal(training_run(dtype, precision, placement, overlap=True, seed=seed), plain)
 
 
 @pytest.mark.parametrize("placement", ["streamed", "mixed"])
 def test_states_read_right_after_each_overlapped_step_are_that_steps(placement):
-    plain = train(torch.bfloat16, "8bit", placement, overlap=False, read_state=True)
-    assert_bit_equal(train(torch.bfloat16, "8bit", placement, overlap=True, read_state=True), plain)
+    plain = training_run(torch.bfloat16, "8bit", placement, overlap=False, read_state=True)
+    assert_bitwise_equal(training_run(torch.bfloat16, "8bit", placement, overlap=True, read_state=True), plain)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -145,19 +135,21 @@ def test_states_read_right_after_each_overlapped_step_are_that_steps(placement):
 def test_an_overlapped_apollo_step_equals_the_plain_one_without_a_race(placement, seed):
     """Apollo's phases: the chunks of tensors spanning chunks pass once per phase, joined between
     phases (the next phase reads whole-tensor sums); only the last pass is left to the forward."""
-    plain = train(torch.float32, "fp32", placement, overlap=False, seed=seed, optimizer="Apollo")
-    assert_bit_equal(train(torch.float32, "fp32", placement, overlap=True, seed=seed, optimizer="Apollo"), plain)
+    plain = training_run(torch.float32, "fp32", placement, overlap=False, seed=seed, optimizer="Apollo")
+    assert_bitwise_equal(training_run(torch.float32, "fp32", placement, overlap=True, seed=seed,
+                                      optimizer="Apollo"), plain)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_gradients(seed):
-    plain = train(torch.float32, "fp32", "streamed", overlap=False, seed=seed, set_to_none=False)
-    assert_bit_equal(train(torch.float32, "fp32", "streamed", overlap=True, seed=seed, set_to_none=False), plain)
+    plain = training_run(torch.float32, "fp32", "streamed", overlap=False, seed=seed, set_to_none=False)
+    assert_bitwise_equal(training_run(torch.float32, "fp32", "streamed", overlap=True, seed=seed,
+                                      set_to_none=False), plain)
 
 
 def test_a_removed_handle_joins_the_step_again():
-    plain = train(torch.float32, "fp32", "streamed", overlap=False)
-    assert_bit_equal(train(torch.float32, "fp32", "streamed", overlap=True, remove_at=2), plain)
+    plain = training_run(torch.float32, "fp32", "streamed", overlap=False)
+    assert_bitwise_equal(training_run(torch.float32, "fp32", "streamed", overlap=True, remove_at=2), plain)
 
 
 def test_a_forward_without_the_hooks_races_with_the_overlapped_step():
@@ -257,7 +249,7 @@ def test_overlap_hides_the_step_behind_the_next_forward_on_the_timed_device():
     assert overlapped.exposed_s < plain.exposed_s
 
 
-def train_on_cuda(precision: str, overlap: bool):
+def training_run_on_cuda(precision: str, overlap: bool):
     """The same training on a GPU's real streams: the next forward runs as soon as its layer's
     chunks are done (a long forward kernel of another layer would expose a missing wait)."""
     model = Net(torch.bfloat16).cuda()
@@ -282,7 +274,7 @@ def train_on_cuda(precision: str, overlap: bool):
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_overlapped_step_equals_the_plain_one_on_a_gpu(precision):
-    assert_bit_equal(train_on_cuda(precision, True), train_on_cuda(precision, False))
+    assert_bitwise_equal(training_run_on_cuda(precision, True), training_run_on_cuda(precision, False))
 
 
 def streamed_net(overlap: bool):
@@ -295,7 +287,7 @@ def streamed_net(overlap: bool):
 
 
 def final(model, opt):
-    """The parameters and every state, in train()'s form (one read of the states, at the end)."""
+    """The parameters and every state, in training_run()'s form (one read of the states, at the end)."""
     return [p.detach().clone() for p in model.parameters()], [
         [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]]
 
@@ -313,7 +305,7 @@ def test_a_step_with_no_forward_before_it_waits_for_the_last_one(seed):
             opt.step()  # the same gradients again
             return final(model, opt)
 
-    assert_bit_equal(run(True), run(False))
+    assert_bitwise_equal(run(True), run(False))
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -334,4 +326,4 @@ def test_a_compiled_forward_still_waits_for_its_chunks(seed):
             model.state_dict()
             return final(model, opt)
 
-    assert_bit_equal(run(True), run(False))
+    assert_bitwise_equal(run(True), run(False))

@@ -25,7 +25,7 @@ import fusedoff
 from fusedoff import ops
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import master as masters
-from tests.helpers import device_of
+from tests.helpers import assert_bitwise_equal, device_of, make_params, train
 
 SHAPES = ((33, 7), (1,), (300,), (5, 33))
 PLACEMENTS = ("resident", "streamed", "mixed", "simulated")
@@ -112,23 +112,16 @@ OPTIMIZERS = {
 }
 
 
-def params_of(seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(torch.bfloat16)) for shape in SHAPES]
-
-
-def train(name, master_precision, placement, backend="cpu", steps=STEPS, params=None, opt=None):
+def trained(name, master_precision, placement, backend="cpu", steps=STEPS, params=None, opt=None):
+    """Trains the bf16 tensors of SHAPES (or `params`, with `opt` when given) for `steps` steps; the
+    parameters, the optimizer and a copy of its tensor states."""
     cls, options, state_bytes = OPTIMIZERS[name]
     with device_of(placement):
-        params = params if params is not None else params_of()
+        params = params if params is not None else make_params(SHAPES, torch.bfloat16)
         if opt is None:
             opt = cls(params, lr=1e-2, backend=backend, master_precision=master_precision,
                       **where(placement, state_bytes + 4), **options)
-        for step in range(steps):
-            generator = torch.Generator().manual_seed(100 + step)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
-            opt.step()
+        train(params, opt, steps)
         states = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in params]
     return params, opt, states
 
@@ -139,11 +132,6 @@ def master_of(state: dict, param: torch.Tensor) -> torch.Tensor:
     return masters.join(param.detach(), state.get("master_low_bits", state.get("master_low_byte")))
 
 
-def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
-
-
 # The torch backend (the reference) resident and streamed; the cpu backend in every placement.
 BACKEND_PLACEMENTS = [("cpu", placement) for placement in PLACEMENTS] + [("torch", "resident"), ("torch", "streamed")]
 
@@ -151,27 +139,27 @@ BACKEND_PLACEMENTS = [("cpu", placement) for placement in PLACEMENTS] + [("torch
 @pytest.mark.parametrize("backend, placement", BACKEND_PLACEMENTS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_split_gives_the_bits_of_fp32(placement, name, backend):
-    want_params, _, want_states = train(name, "fp32", placement, backend)
-    params, opt, states = train(name, "split", placement, backend)
+    want_params, _, want_states = trained(name, "fp32", placement, backend)
+    params, opt, states = trained(name, "split", placement, backend)
     for t, (p, want) in enumerate(zip(params, want_params)):
-        assert_bits(p.detach(), want.detach(), f"parameter {t}")
+        assert_bitwise_equal(p.detach(), want.detach(), f"parameter {t}")
         assert states[t]["master_low_bits"].dtype == torch.int16 and "master_param" not in states[t]
-        assert_bits(master_of(states[t], p), want_states[t]["master_param"], f"master {t}")
+        assert_bitwise_equal(master_of(states[t], p), want_states[t]["master_param"], f"master {t}")
         for key, value in want_states[t].items():
             if key != "master_param":
-                assert_bits(states[t][key], value, f"{key} of tensor {t}")
+                assert_bitwise_equal(states[t][key], value, f"{key} of tensor {t}")
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS[1:])
 @pytest.mark.parametrize("name", ["AdamW fp32", "AdamW 8bit", "Apollo stable"])
 def test_split8_gives_the_same_bits_in_every_placement(placement, name):
-    want_params, _, want_states = train(name, "split8", "resident")
-    params, _, states = train(name, "split8", placement)
+    want_params, _, want_states = trained(name, "split8", "resident")
+    params, _, states = trained(name, "split8", placement)
     for t in range(len(SHAPES)):
-        assert_bits(params[t].detach(), want_params[t].detach(), f"parameter {t}")
+        assert_bitwise_equal(params[t].detach(), want_params[t].detach(), f"parameter {t}")
         assert states[t]["master_low_byte"].dtype == torch.uint8 and "master_low_bits" not in states[t]
         for key in want_states[t]:
-            assert_bits(states[t][key], want_states[t][key], f"{key} of tensor {t}")
+            assert_bitwise_equal(states[t][key], want_states[t][key], f"{key} of tensor {t}")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -215,16 +203,16 @@ def test_a_checkpoint_moves_between_master_precisions(placement, saved, loaded):
     that point (the same conversion reached through opt.param_groups), and, where the new precision
     loses nothing of the old (into fp32 or split, or from fp32 into split), as the run that never
     changed; into split8, within its rounding of that run."""
-    params, opt, _ = train("AdamW fp32", saved, placement)
+    params, opt, _ = trained("AdamW fp32", saved, placement)
     model_state = [p.detach().clone() for p in params]
     checkpoint = copy.deepcopy(opt.state_dict())  # the live dict holds the states the next steps change
     unchanged = copy.deepcopy(opt)
     unchanged_params = [p for g in unchanged.param_groups for p in g["params"]]
     opt.param_groups[0]["master_precision"] = loaded  # converted at the next step
-    want_params, _, want_states = train("AdamW fp32", loaded, placement, params=params, opt=opt)
-    plain_params, _, plain_states = train("AdamW fp32", saved, placement, params=unchanged_params, opt=unchanged)
+    want_params, _, want_states = trained("AdamW fp32", loaded, placement, params=params, opt=opt)
+    plain_params, _, plain_states = trained("AdamW fp32", saved, placement, params=unchanged_params, opt=unchanged)
 
-    resumed = params_of(seed=9)  # other values: the model's load must bring them back
+    resumed = make_params(SHAPES, torch.bfloat16, seed=9)  # other values: the model's load must bring them back
     cls, options, _ = OPTIMIZERS["AdamW fp32"]
     with device_of(placement), torch.no_grad():
         for p, value in zip(resumed, model_state):
@@ -236,12 +224,12 @@ def test_a_checkpoint_moves_between_master_precisions(placement, saved, loaded):
     kept = {"fp32": ("master_param", torch.float32), "split": ("master_low_bits", torch.int16),
             "split8": ("master_low_byte", torch.uint8)}[loaded]
     assert all(new_opt.state[p][kept[0]].dtype == kept[1] for p in resumed)
-    got_params, _, got_states = train("AdamW fp32", loaded, placement, params=resumed, opt=new_opt)
+    got_params, _, got_states = trained("AdamW fp32", loaded, placement, params=resumed, opt=new_opt)
     for t in range(len(SHAPES)):
         got_master = master_of(got_states[t], got_params[t])
-        assert_bits(got_params[t].detach(), want_params[t].detach(), f"parameter {t}")
-        assert_bits(got_master, master_of(want_states[t], want_params[t]), f"master {t}")
-        assert_bits(got_states[t]["exp_avg"], want_states[t]["exp_avg"], f"exp_avg {t}")
+        assert_bitwise_equal(got_params[t].detach(), want_params[t].detach(), f"parameter {t}")
+        assert_bitwise_equal(got_master, master_of(want_states[t], want_params[t]), f"master {t}")
+        assert_bitwise_equal(got_states[t]["exp_avg"], want_states[t]["exp_avg"], f"exp_avg {t}")
         plain_master = master_of(plain_states[t], plain_params[t])
         units = (got_master.view(torch.int32).to(torch.int64) - plain_master.view(torch.int32).to(torch.int64)).abs()
         if loaded == "split8" and saved != "split8":
@@ -253,15 +241,15 @@ def test_a_checkpoint_moves_between_master_precisions(placement, saved, loaded):
 
 
 def test_fp32_state_dict_holds_the_whole_master_and_loads_into_torch():
-    params, opt, states = train("AdamW fp32", "split", "streamed")
-    want_params, _, want_states = train("AdamW fp32", "fp32", "streamed")
+    params, opt, states = trained("AdamW fp32", "split", "streamed")
+    want_params, _, want_states = trained("AdamW fp32", "fp32", "streamed")
     state_dict = opt.fp32_state_dict()
     assert {g["master_precision"] for g in state_dict["param_groups"]} == {"fp32"}
     for t in range(len(SHAPES)):
         saved = state_dict["state"][t]
         assert "master_low_bits" not in saved and "master_low_byte" not in saved
-        assert_bits(saved["master_param"], want_states[t]["master_param"], f"master {t}")
-    fp32_opt = fusedoff.AdamW(params_of(), lr=1e-2, master_precision="fp32")
+        assert_bitwise_equal(saved["master_param"], want_states[t]["master_param"], f"master {t}")
+    fp32_opt = fusedoff.AdamW(make_params(SHAPES, torch.bfloat16), lr=1e-2, master_precision="fp32")
     fp32_opt.load_state_dict(state_dict)
     assert fp32_opt.param_groups[0]["master_precision"] == "fp32"
 
@@ -269,11 +257,11 @@ def test_fp32_state_dict_holds_the_whole_master_and_loads_into_torch():
 # ---- refusals and writes ---------------------------------------------------------------------------
 def test_refusals_come_before_anything_changes():
     with pytest.raises(ValueError, match="master_precision must be one of"):
-        fusedoff.AdamW(params_of(), master_precision="bf16")
+        fusedoff.AdamW(make_params(SHAPES, torch.bfloat16), master_precision="bf16")
     with pytest.raises(ValueError, match="master_weights=False"):
-        fusedoff.AdamW(params_of(), master_precision="split", master_weights=False)
+        fusedoff.AdamW(make_params(SHAPES, torch.bfloat16), master_precision="split", master_weights=False)
     with pytest.raises(ValueError, match="master_precision must be one of"):
-        fusedoff.Apollo(params_of(), lr=0.1, master_precision="split16")
+        fusedoff.Apollo(make_params(SHAPES, torch.bfloat16), lr=0.1, master_precision="split16")
     half = [torch.nn.Parameter(torch.randn(8).to(torch.float16))]
     opt = fusedoff.AdamW(half, master_precision="split", backend="cpu")
     half[0].grad = torch.ones_like(half[0])
@@ -294,7 +282,7 @@ def test_a_written_parameter_carries_the_master_low_bits(placement):
     low bits (the oracle: an fp32-master run whose master is assigned that value through opt.state);
     the same bits written back keep everything exact (the oracle: the run without the write)."""
     def run(write, assign=None, precision="split"):
-        params, opt, states = train("AdamW fp32", precision, placement, steps=2)
+        params, opt, states = trained("AdamW fp32", precision, placement, steps=2)
         low = states[2].get("master_low_bits")
         with device_of(placement), torch.no_grad():
             value = write(params[2])
@@ -302,19 +290,19 @@ def test_a_written_parameter_carries_the_master_low_bits(placement):
                 params[2].copy_(value)
             if assign is not None:
                 opt.state[params[2]]["master_param"] = masters.join(params[2].detach(), assign)
-        return train("AdamW fp32", precision, placement, steps=1, params=params, opt=opt), low
+        return trained("AdamW fp32", precision, placement, steps=1, params=params, opt=opt), low
 
     (split_params, _, split_states), low = run(lambda p: (p.float() * 2 + 1).to(torch.bfloat16))
     (want_params, _, want_states), _ = run(lambda p: (p.float() * 2 + 1).to(torch.bfloat16), assign=low,
                                            precision="fp32")
-    assert_bits(split_params[2].detach(), want_params[2].detach(), "the written parameter")
-    assert_bits(master_of(split_states[2], split_params[2]), want_states[2]["master_param"], "its master")
+    assert_bitwise_equal(split_params[2].detach(), want_params[2].detach(), "the written parameter")
+    assert_bitwise_equal(master_of(split_states[2], split_params[2]), want_states[2]["master_param"], "its master")
 
     (same_params, _, same_states), _ = run(lambda p: p.detach().clone())
     (plain_params, _, plain_states), _ = run(lambda p: None)
     for t in range(len(SHAPES)):
-        assert_bits(same_params[t].detach(), plain_params[t].detach(), f"parameter {t}")
-        assert_bits(same_states[t]["master_low_bits"], plain_states[t]["master_low_bits"], f"master {t}")
+        assert_bitwise_equal(same_params[t].detach(), plain_params[t].detach(), f"parameter {t}")
+        assert_bitwise_equal(same_states[t]["master_low_bits"], plain_states[t]["master_low_bits"], f"master {t}")
 
 
 def test_the_quality_benchmark_trains_split_exactly_as_fp32(tmp_path):
@@ -346,7 +334,7 @@ def test_a_dcp_checkpoint_of_one_split_precision_loads_into_the_other(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    params, opt, saved = train("AdamW fp32", "split", "resident")
+    params, opt, saved = trained("AdamW fp32", "split", "resident")
     model_sd, optim_sd = get_state_dict(torch.nn.ParameterList(params), opt)
     assert {k for k in optim_sd["state"]["0"] if k.startswith("master")} == {"master_param"}
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
@@ -359,5 +347,5 @@ def test_a_dcp_checkpoint_of_one_split_precision_loads_into_the_other(tmp_path):
                    optim_state_dict=state["optim"])
     assert {g["master_precision"] for g in other.param_groups} == {"split"}
     for t, p in enumerate(fresh):
-        assert_bits(p.detach(), params[t].detach(), f"parameter {t}")
-        assert_bits(other.state[p]["master_low_bits"], saved[t]["master_low_bits"], f"master {t}")
+        assert_bitwise_equal(p.detach(), params[t].detach(), f"parameter {t}")
+        assert_bitwise_equal(other.state[p]["master_low_bits"], saved[t]["master_low_bits"], f"master {t}")

@@ -23,6 +23,7 @@ import torch
 
 from fusedoff import ops
 from fusedoff.kernels import codec, master
+from tests.helpers import assert_bitwise_equal
 
 SIZES = (1, 7, 300, 4097)
 NUM_STEPS = 3
@@ -152,25 +153,13 @@ def run(problem: Problem, backend: str, grads_per_step) -> Problem:
     return problem
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}[{i}]"
-        differ = (bits(g) != bits(w)).sum().item()
-        assert differ == 0, f"{what}[{i}] ({w.numel()} elements): {differ} bytes differ"
-
-
 def assert_same_problem(got: Problem, want: Problem, what: str) -> None:
     """Params, states, step counts and the (joined) master weights equal bit for bit."""
-    assert_same_bits(got.params, want.params, f"{what}params")
+    assert_bitwise_equal(got.params, want.params, f"{what}params")
     for name, tensors in want.states.items():
-        assert_same_bits(got.states[name], tensors, f"{what}{name}")
-    assert_same_bits(got.steps, want.steps, f"{what}steps")
-    assert_same_bits(got.joined_masters(), want.joined_masters(), f"{what}masters")
+        assert_bitwise_equal(got.states[name], tensors, f"{what}{name}")
+    assert_bitwise_equal(got.steps, want.steps, f"{what}steps")
+    assert_bitwise_equal(got.joined_masters(), want.joined_masters(), f"{what}masters")
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -215,12 +204,12 @@ def check_split8_rounds_the_fp32_step(problem: Problem, backend: str) -> None:
             assert_same_problem(problem, before, f"{backend} step {k} (skipped): ")
             continue
         for name, tensors in fp32.states.items():  # the update reads the same master: same states
-            assert_same_bits(problem.states[name], tensors, f"{backend} step {k}: {name}")
+            assert_bitwise_equal(problem.states[name], tensors, f"{backend} step {k}: {name}")
         got = problem.joined_masters()
         for i, (g, exact, step) in enumerate(zip(got, fp32.masters, problem.steps)):
             want = master.round_split8(exact, master.split8_salt(step))
-            assert_same_bits([g], [want], f"{backend} step {k}: master {i}")
-            assert_same_bits([problem.params[i]], [master.param_of_master(g, torch.bfloat16)],
+            assert_bitwise_equal([g], [want], f"{backend} step {k}: master {i}")
+            assert_bitwise_equal([problem.params[i]], [master.param_of_master(g, torch.bfloat16)],
                              f"{backend} step {k}: param {i}")
             units = (g.view(torch.int32).long() - exact.view(torch.int32).long()).abs()
             assert units.max().item() < 256, f"{backend} step {k}: master {i} is {units.max().item()} units off"
@@ -306,7 +295,7 @@ def test_a_tie_rounds_away_from_zero(backend, precision, op):
                                                                               weight_decay=0.0)
     step_(problem, backend, make_grads(5)[0], torch.tensor(0.0), **no_op)
     for i, (p, (m, _)) in enumerate(zip(problem.params, ties)):
-        assert_same_bits([problem.joined_masters()[i]], [m], f"{backend}: master {i}")
+        assert_bitwise_equal([problem.joined_masters()[i]], [m], f"{backend}: master {i}")
         got = (p.view(torch.int16).to(torch.int32) & 0xFFFF)
         assert torch.equal(got, even[i] + 1), f"{backend}: param {i} is not its tie rounded away from zero"
 
@@ -398,7 +387,7 @@ def test_only_a_nearest_rounding_keeps_the_master(backend, dtype):
         n = masters.numel()
         ops.adam_step_([param.clone()], [torch.zeros(n, dtype=dtype)], [torch.zeros(n)], [torch.zeros(n)], [],
                        [master_param], [torch.tensor(1.0)], backend=backend, **dict(ADAM, lr=0.0, weight_decay=0.0))
-        assert_same_bits([master_param], [want], f"{backend}: masters")
+        assert_bitwise_equal([master_param], [want], f"{backend}: masters")
         kept_at_ties += (nearest & (param.view(torch.int16) != cast.view(torch.int16))).sum().item()
         taken += (~nearest).sum().item()
     assert kept_at_ties > 1000 and taken > 10000

@@ -29,7 +29,7 @@ from fusedoff.offload import runtimes
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.testing.simulator import SimulatedRuntime
 from tests.faults import Faults, FaultyRuntime, InjectedError, InjectedOutOfMemory
-from tests.helpers import ParameterListModel
+from tests.helpers import ParameterListModel, bits
 
 # 300 elements cross an 8-bit block (256); a 0-d tensor; sizes that are no multiple of a chunk.
 SHAPES = ((20, 15), (33,), (5, 33), ())
@@ -115,10 +115,6 @@ class Run:
         state = {pid: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for pid, s in self.opt.state_dict()["state"].items()}
         return params, state
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def same(a, b) -> bool:

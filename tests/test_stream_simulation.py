@@ -23,6 +23,7 @@ import torch
 import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
+from tests.helpers import assert_bitwise_equal, make_params
 
 SHAPES = [(33, 5), (7,), (300,), (16,), (), (40,)]  # tensors spanning 32-element chunks and sharing them
 SEEDS = range(6)
@@ -30,16 +31,11 @@ ADAM = dict(lr=1e-2, weight_decay=0.1)
 APOLLO = dict(lr=1e-2, warmup=2, weight_decay=0.01)
 
 
-def make_params(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
-
-
-def train(make_opt, dtype, *, steps=5, sim=None, scaler_skip=None, clip_at=None, load_at=None,
+def training_run(make_opt, dtype, *, steps=5, sim=None, scaler_skip=None, clip_at=None, load_at=None,
           user_stream_at=None, read_state=True, device="cpu"):
     """Trains, doing between steps what training code does; returns the parameters and every
     state as read right after each step."""
-    params = make_params(dtype, device)
+    params = make_params(SHAPES, dtype, device=device)
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-3}]  # two buckets share the pipeline
     opt = make_opt(groups)
     gen = torch.Generator().manual_seed(1)
@@ -96,7 +92,7 @@ def simulated(seed, make_opt, dtype, **kwargs):
         return sims[-1]
 
     with runtimes.simulate(factory):
-        result = train(make_opt, dtype, sim=_LatestSim(sims), **kwargs)
+        result = training_run(make_opt, dtype, sim=_LatestSim(sims), **kwargs)
     assert sims and all(sim.ops_run > 0 and sim.checked > 0 for sim in sims)  # the device side did run
     return result
 
@@ -114,18 +110,6 @@ class _LatestSim:
 
     def user_stream(self):
         return self.sims[-1].user_stream()
-
-
-def assert_equal_runs(got, want):
-    (got_params, got_seen), (want_params, want_seen) = got, want
-    for a, b in zip(got_params, want_params):
-        assert torch.equal(a, b)
-    assert len(got_seen) == len(want_seen)
-    for step, (g, w) in enumerate(zip(got_seen, want_seen)):
-        for pid, (gs, ws) in enumerate(zip(g, w)):
-            assert gs.keys() == ws.keys()
-            for key in ws:
-                assert torch.equal(gs[key], ws[key]), (step, pid, key)
 
 
 CASES = {
@@ -164,12 +148,12 @@ def test_simulated_device_equals_the_host_loopback(case, placement, backend):
         return cls(groups, **kwargs, **PLACEMENTS[placement], backend=backend)
 
     extras = dict(scaler_skip=1, clip_at=2, load_at=3, user_stream_at=4)
-    want = train(make, dtype, **extras)
+    want = training_run(make, dtype, **extras)
     if cls is not fusedoff.Apollo:  # elementwise: streaming changes nothing at all
-        resident = train(lambda groups: cls(groups, **kwargs, offload="none", backend=backend), dtype, **extras)
-        assert_equal_runs(want, resident)
+        resident = training_run(lambda groups: cls(groups, **kwargs, offload="none", backend=backend), dtype, **extras)
+        assert_bitwise_equal(want, resident)
     for seed in SEEDS:
-        assert_equal_runs(simulated(seed, make, dtype, **extras), want)
+        assert_bitwise_equal(simulated(seed, make, dtype, **extras), want)
 
 
 @pytest.mark.cuda
@@ -180,10 +164,10 @@ def test_cuda_runtime_runs_the_same_cases(case, placement):
     same device (bit for bit for the elementwise Adam; Apollo to fp32 reduction order)."""
     cls, kwargs, dtype = CASES[case]
     extras = dict(scaler_skip=1, clip_at=2, load_at=3, user_stream_at=4, device="cuda")
-    got = train(lambda groups: cls(groups, **kwargs, **PLACEMENTS[placement], backend="cuda"), dtype, **extras)
-    want = train(lambda groups: cls(groups, **kwargs, offload="none", backend="cuda"), dtype, **extras)
+    got = training_run(lambda groups: cls(groups, **kwargs, **PLACEMENTS[placement], backend="cuda"), dtype, **extras)
+    want = training_run(lambda groups: cls(groups, **kwargs, offload="none", backend="cuda"), dtype, **extras)
     if cls is not fusedoff.Apollo:
-        assert_equal_runs(got, want)
+        assert_bitwise_equal(got, want)
         return
     for a, b in zip(got[0], want[0]):  # the masters differ in the order of their partial sums only
         torch.testing.assert_close(a.float(), b.float(), rtol=torch.finfo(dtype).eps, atol=1e-6)
@@ -252,7 +236,7 @@ def test_auto_decides_the_budget_from_the_simulated_device_memory():
         return SimulatedRuntime(device, seed=0, total_memory=100_000, peak_memory=90_000 - needed + 100)
 
     with runtimes.simulate(factory):
-        params = make_params(torch.float32)
+        params = make_params(SHAPES)
         opt = fusedoff.AdamW(params, chunk_size=32)  # offload="auto"
         for p in params:
             p.grad = torch.ones_like(p)
@@ -267,7 +251,7 @@ def test_auto_decides_the_budget_from_the_simulated_device_memory():
 
 def test_a_streamed_step_under_graph_capture_is_refused_before_anything_changes():
     with runtimes.simulate(lambda device: SimulatedRuntime(device, capturing=True)):
-        params = make_params(torch.float32)
+        params = make_params(SHAPES)
         opt = fusedoff.AdamW(params, offload="stream", chunk_size=32)
         for p in params:
             p.grad = torch.ones_like(p)
@@ -286,11 +270,11 @@ def test_pinning_refused_falls_back_to_pageable_memory_with_a_warning():
     def make(groups):
         return fusedoff.AdamW(groups, **ADAM, offload="stream", chunk_size=32)
 
-    want = train(make, torch.float32, steps=3)
+    want = training_run(make, torch.float32, steps=3)
     with runtimes.simulate(lambda device: SimulatedRuntime(device, pin_fails=True)):
         with pytest.warns(UserWarning, match="could not pin host memory"):
-            got = train(make, torch.float32, steps=3)
-    assert_equal_runs(got, want)
+            got = training_run(make, torch.float32, steps=3)
+    assert_bitwise_equal(got, want)
 
 
 def test_the_race_checker_reports_an_unordered_pair_and_accepts_an_ordered_one():

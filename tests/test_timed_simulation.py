@@ -4,18 +4,13 @@ benchmarks/traffic.py counts them), and the scale factor."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import predict_step  # noqa: E402
-import traffic  # noqa: E402
-
-import fusedoff  # noqa: E402
-from fusedoff.testing.timed import D2H, H2D, HOST, KERNEL, Rates, TimedRuntime, link_rates, predict  # noqa: E402
+import fusedoff
+from benchmarks import predict_step, traffic
+from fusedoff.testing.timed import D2H, H2D, HOST, KERNEL, Rates, TimedRuntime, link_rates, predict
 
 MS = 1e-3
 # 1 byte per ns each way, 1.5 bytes per ns both at once; 4 bytes per ns of device memory; no host cost

@@ -17,7 +17,7 @@ from torch.nn import Parameter
 
 import fusedoff
 from fusedoff.optim.validation import TORCH_FLAGS
-from tests.helpers import max_abs_error, ulp_atol
+from tests.helpers import make_params, max_abs_error, train, ulp_atol
 from tests.optional_packages import require
 
 require("expecttest")  # the whole module skips without it (the GPU machine's image has none)
@@ -76,9 +76,9 @@ def refused_configs() -> list:
             if config.kwargs.get("capturable") or config.kwargs.get("differentiable")]
 
 
-def make_params(dtype: torch.dtype) -> list[Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [Parameter(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)) for shape in SHAPES]
+def params_of(dtype: torch.dtype) -> list[Parameter]:
+    """The parameters of SHAPES, drawn in float64: the same values in every precision."""
+    return make_params(SHAPES, dtype, drawn_as=torch.float64)
 
 
 def param_groups(params: list[Parameter], kwargs: dict) -> list[dict]:
@@ -97,18 +97,16 @@ def set_grads(params: list[Parameter], step: int) -> None:
 
 
 def run_torch(name: str, kwargs: dict, dtype: torch.dtype) -> tuple[list[Parameter], torch.optim.Optimizer]:
-    params = make_params(dtype)
+    params = params_of(dtype)
     opt = OPTIMIZERS[name][1](param_groups(params, kwargs), foreach=False, **copy.deepcopy(kwargs))
-    for step in range(STEPS):
-        set_grads(params, step)
-        opt.step()
+    train(params, opt, STEPS, set_grads)
     return params, opt
 
 
 def run_fusedoff(name: str, kwargs: dict, placement: dict) -> tuple[list[Parameter], torch.optim.Optimizer]:
     """fp32, with a state_dict() save and a reload into a new optimizer halfway."""
     cls = OPTIMIZERS[name][0]
-    params = make_params(torch.float32)
+    params = params_of(torch.float32)
     opt = cls(param_groups(params, kwargs), **copy.deepcopy(kwargs), **placement)
     for step in range(STEPS):
         if step == RELOAD_AT:
@@ -164,7 +162,7 @@ def _same(a, b) -> bool:
 def test_configs_fusedoff_cannot_run_are_refused_clearly(name, kwargs):
     match = next(text for flag, text in REFUSED_FLAGS.items() if kwargs.get(flag))
     with pytest.raises(RuntimeError, match=match):
-        OPTIMIZERS[name][0](make_params(torch.float32), **kwargs)
+        OPTIMIZERS[name][0](params_of(torch.float32), **kwargs)
 
 
 def error_inputs(device_type: str) -> list:
@@ -191,7 +189,7 @@ def test_every_error_input_raises_torchs_exception(name, error):
     optim_input = error.optimizer_error_input
     assert error.error_on == common_optimizers.OptimizerErrorEnum.CONSTRUCTION_ERROR
     for cls in reversed(OPTIMIZERS[name]):  # torch first: the database and torch agree
-        params = optim_input.params if optim_input.params is not None else make_params(torch.float32)
+        params = optim_input.params if optim_input.params is not None else params_of(torch.float32)
         if issubclass(error.error_type, Warning):
             with pytest.warns(error.error_type, match=error.error_regex):
                 cls(params, **optim_input.kwargs)
@@ -224,7 +222,7 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was(name, case):
     """torch's exception for a bad add_param_group, raised before anything changes, as in torch."""
     make_group, error, match = {**TORCH_GROUP_ERRORS, **FUSEDOFF_GROUP_ERRORS}[case]
     for cls in OPTIMIZERS[name] if case in TORCH_GROUP_ERRORS else OPTIMIZERS[name][:1]:
-        params = make_params(torch.float32)
+        params = params_of(torch.float32)
         opt = cls(params[:3], lr=1e-2)
         set_grads(params, 0)
         opt.step()
@@ -293,7 +291,7 @@ def test_save_load_save_gives_the_same_param_groups(cls):
 
 
 def test_adamw_groups_stay_decoupled_after_loading_an_adam_state_dict():
-    params = make_params(torch.float32)
+    params = params_of(torch.float32)
     adam = torch.optim.Adam(params, weight_decay=0.1)
     adamw = fusedoff.AdamW(params, weight_decay=0.1)
     adamw.load_state_dict(adam.state_dict())
@@ -324,7 +322,7 @@ def test_adam_with_decoupled_weight_decay_is_adamw():
 def test_torchs_implementation_flags_choose_nothing(name, flags):
     results = []
     for extra in ({}, flags):
-        params = make_params(torch.float32)
+        params = params_of(torch.float32)
         opt = OPTIMIZERS[name][0](params, lr=1e-2, **extra)
         for step in range(3):
             set_grads(params, step)
@@ -335,9 +333,9 @@ def test_torchs_implementation_flags_choose_nothing(name, flags):
 
 def test_fusedoff_adam_errors_name_adam():
     with pytest.raises(TypeError, match=r"^Adam\.__init__\(\) got an unexpected keyword argument 'nesterov'"):
-        fusedoff.Adam(make_params(torch.float32), nesterov=True)
+        fusedoff.Adam(params_of(torch.float32), nesterov=True)
     with pytest.raises(TypeError, match=r"^AdamW\.__init__\(\) got an unexpected keyword argument"):
-        fusedoff.AdamW(make_params(torch.float32), decoupled_weight_decay=False)  # as torch.optim.AdamW
+        fusedoff.AdamW(params_of(torch.float32), decoupled_weight_decay=False)  # as torch.optim.AdamW
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
@@ -353,7 +351,7 @@ def test_grad_scaler_leaves_unscaling_to_the_kernel():
     one of the unscaled gradients, bit for bit (the scale is a power of 2)."""
     results = []
     for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**8), None):
-        params = make_params(torch.float32)
+        params = params_of(torch.float32)
         opt = fusedoff.AdamW(params, lr=1e-2)
         gen = torch.Generator().manual_seed(1)
         loss = sum(((p * p) * 0.15 * (i + 1) + p * torch.randn(p.shape, generator=gen)).sum()
@@ -373,7 +371,7 @@ def test_grad_scaler_leaves_unscaling_to_the_kernel():
 def test_only_grad_scaler_is_told_that_the_step_unscales():
     """Training loops read `_step_supports_amp_scaling` as "cannot clip before the step"
     (Lightning refuses gradient_clip_val then): only GradScaler sees it true."""
-    opt = fusedoff.AdamW(make_params(torch.float32))
+    opt = fusedoff.AdamW(params_of(torch.float32))
     assert getattr(opt, "_step_supports_amp_scaling", False) is False
 
     class Scaler(torch.amp.GradScaler):

@@ -20,7 +20,7 @@ import torch
 
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import reference, triton_adam
-from tests.helpers import non_contiguous, set_arg, swap_arg
+from tests.helpers import assert_bitwise_equal, non_contiguous, set_arg, swap_arg
 
 pytestmark = pytest.mark.triton
 
@@ -201,16 +201,6 @@ def test_bias_corrections_are_computed_in_fp64(device):
 # ---- found_inf, grad_scale, empty inputs ---------------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def _assert_bitwise_equal(a, b, what):
-    for name in _STATE_LISTS:
-        for i, (x, y) in enumerate(zip(a[name], b[name], strict=True)):
-            assert torch.equal(_bits(x), _bits(y)), f"{name}[{i}] {what}"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("found_inf_shape", [(), (1,)], ids=["0d", "1elem"])
 @pytest.mark.parametrize(
@@ -229,7 +219,7 @@ def test_found_inf_changes_nothing(device, found_inf_shape, param_dtype, grad_dt
             torch._foreach_add_(p["steps"], 1.0)
         _step(flagged, triton_adam.adam_step_, grads, hyper, scale, torch.zeros(found_inf_shape, device=device))
         _step(plain, triton_adam.adam_step_, grads, hyper, scale)
-        _assert_bitwise_equal(flagged, plain, "differs between found_inf=0 and no found_inf")
+        assert_bitwise_equal(flagged, plain, "differs between found_inf=0 and no found_inf", names=_STATE_LISTS)
 
     clean_step(problem["grads"][0])
     clean_step(problem["grads"][1])
@@ -242,7 +232,7 @@ def test_found_inf_changes_nothing(device, found_inf_shape, param_dtype, grad_dt
         g.view(-1)[0] = float("nan")
         g.view(-1)[-1] = float("inf")
     _step(flagged, triton_adam.adam_step_, bad_grads, hyper, scale, torch.ones(found_inf_shape, device=device))
-    _assert_bitwise_equal(flagged, before, "changed on a step with found_inf=1")
+    assert_bitwise_equal(flagged, before, "changed on a step with found_inf=1", names=_STATE_LISTS)
 
     # The next clean step continues as if the overflowed one never happened.
     clean_step(problem["grads"][2])
@@ -260,7 +250,8 @@ def test_grad_scale_is_read_on_device_per_call(device):
         torch._foreach_add_(p["steps"], 1.0)
         _step(p, triton_adam.adam_step_, [g * scale for g in grads], hyper, torch.tensor(scale, device=device))
         results.append(p)
-    _assert_bitwise_equal(results[0], results[1], "depends on the scale although grad/scale is the same")
+    assert_bitwise_equal(results[0], results[1], "depends on the scale although grad/scale is the same",
+                         names=_STATE_LISTS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -331,7 +322,7 @@ def test_bad_arguments_raise_before_anything_is_written(device, case):
         triton_adam.adam_step_(call["params"], call["grads"], call["exp_avgs"], call["exp_avg_sqs"],
                                call["max_exp_avg_sqs"], call["master_params"], call["steps"],
                                hyper=AdamHyperparameters(**_hyper(amsgrad=call["amsgrad"])), **call["kwargs"])
-    _assert_bitwise_equal(problem, before, "was written by a call that raised")
+    assert_bitwise_equal(problem, before, "was written by a call that raised", names=_STATE_LISTS)
 
 
 @pytest.mark.cuda

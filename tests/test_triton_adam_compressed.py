@@ -23,6 +23,7 @@ tl = pytest.importorskip("triton.language")
 
 from fusedoff.hyperparameters import AdamHyperparameters  # noqa: E402 (after the skip)
 from fusedoff.kernels import codec, reference, triton_adam_compressed  # noqa: E402 (after the skip)
+from tests.helpers import assert_bitwise_equal, bits  # noqa: E402 (after the skip)
 
 pytestmark = [
     pytest.mark.triton,
@@ -123,10 +124,6 @@ def _step(problem, adam_compressed_step_, grads, hyper, grad_scale=None, found_i
                           found_inf=found_inf, hyper=AdamHyperparameters(**hyper))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def _bits_up_to_nan_sign(t: torch.Tensor) -> torch.Tensor:
     """The bits, every NaN (and every NaN code: a signed one carries the NaN's sign) made one.
 
@@ -136,18 +133,7 @@ def _bits_up_to_nan_sign(t: torch.Tensor) -> torch.Tensor:
     """
     if t.dtype == torch.uint8:
         return torch.where(t & 0x7F == codec.SIGNED_NAN, codec.SIGNED_NAN, t)  # unsigned NaN is 0xff: unchanged
-    return torch.where(t.isnan(), _bits(torch.full_like(t, float("nan"))), _bits(t))
-
-
-def _assert_bitwise_equal(got, want, what):
-    for name in _STATE_LISTS:
-        for i, (x, y) in enumerate(zip(got[name], want[name], strict=True)):
-            assert x.dtype == y.dtype and x.shape == y.shape, f"{name}[{i}] {what}"
-            differ = (_bits_up_to_nan_sign(x) != _bits_up_to_nan_sign(y)).nonzero().flatten()
-            assert differ.numel() == 0, (
-                f"{name}[{i}] {what}: {differ.numel()} of {x.numel()} elements differ, first at {differ[0].item()}: "
-                f"{x[differ[0]].item()!r} vs {y[differ[0]].item()!r}"
-            )
+    return torch.where(t.isnan().reshape(-1), bits(torch.full_like(t, float("nan"))), bits(t))
 
 
 def _run_both(problem, oracle, hyper, grad_scale=None, grads_per_step=None):
@@ -158,7 +144,8 @@ def _run_both(problem, oracle, hyper, grad_scale=None, grads_per_step=None):
             torch._foreach_add_(p["steps"], 1.0)
         _step(got, triton_adam_compressed.adam_compressed_step_, grads, hyper, grad_scale)
         _step(want, oracle, grads, hyper, grad_scale)
-        _assert_bitwise_equal(got, want, f"differs from the reference after step {k + 1}")
+        assert_bitwise_equal(got, want, f"differs from the reference after step {k + 1}",
+                             names=_STATE_LISTS, canonical=_bits_up_to_nan_sign)
     return got
 
 
@@ -259,7 +246,7 @@ def test_codec_matches_codec_py_bitwise():
                 signed=codec.decode_signed(code, decode), unsigned=codec.decode_unsigned(code, decode),
                 bf16=codec.bf16_stochastic(x, random16.to(torch.int64)))
     for name, got in outs.items():
-        differ = (_bits(got) != _bits(want[name])).nonzero().flatten()
+        differ = (bits(got) != bits(want[name])).nonzero().flatten()
         i = differ[0].item() if differ.numel() else None
         assert i is None, (
             f"{name}: {differ.numel()} of {n} differ, first x={x[i].item()!r} absmax={absmax[i].item()!r} "
@@ -283,7 +270,8 @@ def test_found_inf_changes_nothing(oracle, precision):
             torch._foreach_add_(p["steps"], 1.0)
         _step(flagged, triton_adam_compressed.adam_compressed_step_, grads[k], hyper, scale, torch.zeros(()))
         _step(plain, oracle, grads[k], hyper, scale)
-        _assert_bitwise_equal(flagged, plain, "with found_inf=0 differs from the reference without found_inf")
+        assert_bitwise_equal(flagged, plain, "with found_inf=0 differs from the reference without found_inf",
+                             names=_STATE_LISTS, canonical=_bits_up_to_nan_sign)
 
     clean_step(0)
     # An overflowed step: non-finite gradients, found_inf = 1 and (as an optimizer does) no step
@@ -293,7 +281,8 @@ def test_found_inf_changes_nothing(oracle, precision):
     for g in bad_grads:
         g[0], g[-1] = float("nan"), float("inf")
     _step(flagged, triton_adam_compressed.adam_compressed_step_, bad_grads, hyper, scale, torch.ones(1))
-    _assert_bitwise_equal(flagged, before, "changed on a step with found_inf=1")
+    assert_bitwise_equal(flagged, before, "changed on a step with found_inf=1",
+                         names=_STATE_LISTS, canonical=_bits_up_to_nan_sign)
     clean_step(1)  # continues as if the overflowed step never happened
     clean_step(2)
 
@@ -327,7 +316,7 @@ def test_non_finite_gradients_stay_in_their_element(oracle, precision):
     once = _run_both(problem, oracle, hyper, scale, grads_per_step=grads[:1])
     others = torch.ones(size, dtype=torch.bool)
     others[list(bad)] = False
-    assert torch.equal(_bits(once["params"][0])[others], _bits(clean["params"][0])[others])
+    assert torch.equal(bits(once["params"][0])[others], bits(clean["params"][0])[others])
     assert not once["params"][0][list(bad)].isfinite().any()
     for p in (once, got):
         assert p["params"][0][others].isfinite().all()
@@ -384,7 +373,8 @@ def test_bad_arguments_raise_before_anything_is_written(case):
             call["params"], call["grads"], call["exp_avgs"], call["exp_avg_sqs"], call["exp_avg_absmaxs"],
             call["exp_avg_sq_absmaxs"], call["master_params"], call["steps"], call["offsets"], call["tensor_keys"],
             hyper=AdamHyperparameters(**_hyper("adamw")))
-    _assert_bitwise_equal(problem, before, "was written by a call that raised")
+    assert_bitwise_equal(problem, before, "was written by a call that raised",
+                         names=_STATE_LISTS, canonical=_bits_up_to_nan_sign)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

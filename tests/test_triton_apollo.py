@@ -25,7 +25,7 @@ import torch
 
 from fusedoff.hyperparameters import ApolloHyperparameters
 from fusedoff.kernels import reference, triton_apollo, triton_common
-from tests.helpers import non_contiguous, set_arg, swap_arg
+from tests.helpers import assert_bitwise_equal, non_contiguous, set_arg, swap_arg
 
 pytestmark = pytest.mark.triton
 
@@ -355,16 +355,6 @@ def test_nan_propagates_like_the_reference(device, case):
         assert got["stats"][2][3].isnan()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def _assert_bitwise_equal(a, b, what, names=(*STATE_LISTS, "stats")):
-    for name in names:
-        for i, (x, y) in enumerate(zip(a[name], b[name], strict=True)):
-            assert torch.equal(_bits(x), _bits(y)), f"{name}[{i}] {what}"
-
-
 # The -0.0 put into stats[4] makes 'full' and 'finish' compute wd / mean D = -inf (and -inf * the
 # masked-off p = 0) before they write nothing; the interpreter warns about it.
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in divide:RuntimeWarning")
@@ -384,7 +374,7 @@ def test_found_inf_changes_nothing(device, found_inf_shape, rebound, decay_type)
         run["stats"] = _fresh_stats(run)
         for phase in _phases(hyper):
             _call(run, triton_apollo.apollo_step_, run["grads"][0], run["stats"], phase, hyper, scale, found_inf)
-    _assert_bitwise_equal(flagged, plain, "differs between found_inf=0 and no found_inf")
+    assert_bitwise_equal(flagged, plain, "differs between found_inf=0 and no found_inf", names=(*STATE_LISTS, "stats"))
 
     # An overflowed step: non-finite gradients, found_inf = 1. No phase may change anything, stats
     # included (they hold sums already, as after the first range of a tensor).
@@ -399,7 +389,8 @@ def test_found_inf_changes_nothing(device, found_inf_shape, rebound, decay_type)
     for phase in ("reduce", "full", "moments", "finish"):
         _call(flagged, triton_apollo.apollo_step_, bad_grads, flagged["stats"], phase, hyper, scale,
               torch.ones(found_inf_shape, device=device))
-        _assert_bitwise_equal(flagged, before, f"changed in phase {phase!r} with found_inf=1")
+        assert_bitwise_equal(flagged, before, f"changed in phase {phase!r} with found_inf=1",
+                             names=(*STATE_LISTS, "stats"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -418,7 +409,8 @@ def test_grad_scale_is_read_on_device_per_call(device):
         for phase in _phases(hyper):
             _call(run, triton_apollo.apollo_step_, grads, run["stats"], phase, hyper, scale)
         results.append(run)
-    _assert_bitwise_equal(results[0], results[1], "depends on the scale although grad / scale is the same")
+    assert_bitwise_equal(results[0], results[1], "depends on the scale although grad / scale is the same",
+                         names=(*STATE_LISTS, "stats"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -486,7 +478,7 @@ def test_bad_arguments_raise_before_anything_is_written(device, case):
     hyper = ApolloHyperparameters(**{f.name: call.pop(f.name) for f in dataclasses.fields(ApolloHyperparameters)})
     with pytest.raises(ValueError, match=message):
         triton_apollo.apollo_step_(*lists, hyper=hyper, **call)
-    _assert_bitwise_equal(problem, before, "was written by a call that raised")
+    assert_bitwise_equal(problem, before, "was written by a call that raised", names=(*STATE_LISTS, "stats"))
 
 
 # ---- compiled code -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fusedoff
-from tests.helpers import spawn_ranks
+from tests.helpers import make_params, spawn_ranks, train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -37,17 +37,11 @@ PLACEMENTS = {
 CASES = [(precision, placement) for precision in ("fp32", "bf16", "8bit") for placement in PLACEMENTS]
 
 
-def make_params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-
-def train(params, opt, steps: range) -> None:
-    for step in steps:
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * torch.exp2(torch.randint(-8, 1, p.shape, generator=gen))
-        opt.step()
+def wide_grads(params, step: int) -> None:
+    """Gradients of magnitudes over 2^8 within a tensor, from a generator seeded 100 + step."""
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * torch.exp2(torch.randint(-8, 1, p.shape, generator=gen))
 
 
 def options(precision: str, placement: str) -> dict:
@@ -55,8 +49,8 @@ def options(precision: str, placement: str) -> dict:
 
 
 def single_run(precision: str, placement: str, steps: int = STEPS) -> list[torch.Tensor]:
-    params = make_params()
-    train(params, fusedoff.AdamW(params, **options(precision, placement)), range(steps))
+    params = make_params(SHAPES)
+    train(params, fusedoff.AdamW(params, **options(precision, placement)), range(steps), wide_grads)
     return [p.detach().clone() for p in params]
 
 
@@ -69,14 +63,14 @@ def _worker(rank: int, port: int, folder: str) -> None:
     try:
         results = {}
         for precision, placement in CASES:
-            params = make_params()
+            params = make_params(SHAPES)
             opt = ZeroRedundancyOptimizer(params, optimizer_class=fusedoff.AdamW, **options(precision, placement))
-            train(params, opt, range(CONSOLIDATE_AT))
+            train(params, opt, range(CONSOLIDATE_AT), wide_grads)
             opt.consolidate_state_dict(to=0)
             # (a copy, as torch.save would make: rank 0's own states in it are its live tensors)
             consolidated = copy.deepcopy(opt.state_dict()) if rank == 0 else None
             at_consolidation = [p.detach().clone() for p in params]
-            train(params, opt, range(CONSOLIDATE_AT, STEPS))
+            train(params, opt, range(CONSOLIDATE_AT, STEPS), wide_grads)
             results[precision, placement] = {
                 "params": [p.detach().clone() for p in params],
                 "owned": len(opt.optim.param_groups[0]["params"]),
@@ -108,6 +102,6 @@ def test_a_consolidated_state_dict_loads_into_a_plain_optimizer(runs, precision,
     params = [torch.nn.Parameter(p.clone()) for p in got["at consolidation"]]
     opt = fusedoff.AdamW(params, **options(precision, placement))
     opt.load_state_dict(got["consolidated"])
-    train(params, opt, range(CONSOLIDATE_AT, STEPS))
+    train(params, opt, range(CONSOLIDATE_AT, STEPS), wide_grads)
     for t, (a, b) in enumerate(zip(params, single_run(precision, placement))):
         assert torch.equal(a.detach(), b), f"tensor {t} {SHAPES[t]}"

@@ -1,2 +1,2 @@
-"""The GPU suite's machinery (benchmarks/gpu_suite.sh runs it): a package so that bench_step.py and the tests
-import its targets as ``gpu_suite.targets`` with benchmarks/ on sys.path; each module also runs as a script."""
+"""The GPU suite's machinery (benchmarks/gpu_suite.sh runs it), imported as ``benchmarks.gpu_suite.targets``
+by bench_step.py and the tests; each module also runs as a script."""

@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # benchmarks/, for timing
-import timing  # noqa: E402
+if not __package__:  # run as a script: the repository root, for `benchmarks` and fusedoff
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import timing  # noqa: E402
 
 ONE_BILLION = 1e9
 STREAM_FRACTION, NAIVE_SPEEDUP, ZERO_OFFLOAD_SPEEDUP, NONE_VS_TORCH, MEMORY_SLACK = 0.85, 10.0, 1.0, 0.95, 0.01
