@@ -54,3 +54,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_kept(request):
+    """Every test leaves SIGINT's handler as it found it: the fault injection (tests/test_step_faults.py)
+    raises a real SIGINT and needs Python's KeyboardInterrupt. A test that leaves another handler
+    (a training library's signal connector, say) fails here, naming itself, and the handler is put back."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"{request.node.nodeid} left SIGINT handled by {after!r} (it was {before!r})", pytrace=False)

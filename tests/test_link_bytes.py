@@ -266,3 +266,48 @@ def test_a_parameter_written_between_steps_costs_nothing_over_the_link(placement
             counted.append(opt.memory_stats()["link_bytes_last_step"])
     assert math.prod(written.shape) in numels
     assert counted == [{"to_device": h2d, "to_host": d2h}] * 3
+
+
+@pytest.mark.parametrize("offload", ["none", "stream"])
+@pytest.mark.parametrize("precision, master", [("fp32", "fp32"), ("bf16_master", "fp32"), ("bf16_master", "split"),
+                                               ("bf16_master", "split8")])
+@pytest.mark.parametrize("state", list(traffic.STATE_PRECISIONS))
+def test_adam_update_bytes_match_the_tensors_the_fused_call_gets(monkeypatch, state, precision, master, offload):
+    """traffic.py's memory bytes of the update (the GPU suite's memory bound) against the tensors the
+    optimizer hands its fused op (whole tensors, or pieces of chunk buffers): the grad read; every
+    state, scale and master read and written; the param written, and read too where it is the fp32
+    weight or the upper half of a split master."""
+    import dataclasses
+
+    from fusedoff import ops
+
+    numels = [7, 300, 1000, 4097]  # partial 8-bit blocks; with chunks of 256, tensors spanning chunks
+    counted = {"bytes": 0}
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def counting(name, num_state_lists):
+        original = getattr(ops, name)
+
+        def spy(params, grads, *rest, **kwargs):
+            states, masters = rest[:num_state_lists], rest[num_state_lists]
+            counted["bytes"] += (nbytes(grads) + 2 * nbytes(t for ts in states for t in ts) + 2 * nbytes(masters)
+                                 + nbytes(params) * (1 if masters and masters[0].is_floating_point() else 2))
+            return original(params, grads, *rest, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+
+    counting("adam_step_", 3)  # exp_avgs, exp_avg_sqs, max_exp_avg_sqs, then the masters
+    counting("adam_compressed_step_", 4)  # codes (or bf16) of both moments, both scales, then the masters
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in numels]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = fusedoff.AdamW(params, offload=offload, chunk_size=256, backend="torch", state_precision=state,
+                         master_precision=master)
+    opt.step()
+    model = dataclasses.replace(traffic.PRECISIONS[precision], master_precision=master)
+    states = traffic.STATE_PRECISIONS[state]
+    assert counted["bytes"] == traffic.adam_tensors_update_bytes(numels, model, state=states)
+    assert traffic.fusedoff_traffic("adamw", model, offload, numels, 256, "cpu", state=states).memory == counted["bytes"]
