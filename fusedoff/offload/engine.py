@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fusedoff import ops
 from fusedoff.offload import placement
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.gradients import checked_flat_grads
-from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, OptimizerRules, Phase, StateSpec, state_specs
+from fusedoff.offload.contract import (LOADED_PARAM_VALUE, FusedUpdate, OptimizerRules, Phase, StateSpec, moved,
+                                       state_specs)
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.placement import Budget
 from fusedoff.offload.plan import ALIGN_ELEMENTS, Chunk, ChunkPlan, aligned_chunk_size, round_up
@@ -42,7 +44,7 @@ from fusedoff.offload.runtime import LinkBytes, Runtime
 from fusedoff.offload.runtimes import runtime_for
 from fusedoff.offload.store import HostStateStore
 from fusedoff.offload.transaction import StepIncompleteError, incomplete_message, interrupts_held
-from fusedoff.sharding import block_lead, is_dtensor, local_tensor
+from fusedoff.sharding import all_reduce_over_shards_, block_lead, is_dtensor, local_tensor
 from fusedoff.tensor_layout import check_dense
 
 OFFLOAD_MODES = ("auto", "none", "stream")
@@ -163,13 +165,12 @@ class OffloadEngine:
         (unsharded tensors). A prediction, for `fusedoff.memory.predict`; a step counts its copies."""
         plan = self.chunk_plan(numels, specs)
         chunks = [c for c in plan.chunks if c.pieces]
-        update = FusedUpdate(phases, call=None)
         whole, spanning = chunks, []
         if len(phases) > 1:
             whole = [c for c in chunks if plan.whole_tensors_only(c)]
             spanning = [c for c in chunks if not plan.whole_tensors_only(c)]
         by_name = {s.name: s for s in specs}
-        link = pass_link_bytes(by_name, whole, update.reads, update.writes)
+        link = pass_link_bytes(by_name, whole, *moved(phases))
         for phase in phases if spanning else ():
             link = link + pass_link_bytes(by_name, spanning, phase.reads, phase.writes)
         return link
@@ -471,12 +472,12 @@ class OffloadEngine:
             if run.spanning:
                 self._stream(run, (phase,), run.spanning)
             for args in run.resident_calls:  # on the current stream, beside the pipeline's work
-                bucket.runtime.launch(bucket.runtime.current_stream(), functools.partial(update.call, phase, args))
+                bucket.runtime.launch(bucket.runtime.current_stream(), functools.partial(ops.run_update, update, phase, args))
             if k < last:  # the next phase reads what this one accumulated over whole tensors
                 if run.chunks:
                     bucket.pipeline.join()
-                if update.after_phase is not None:
-                    update.after_phase(phase, run.stats, bucket.params)
+                if phase.reductions and run.stats is not None:
+                    _reduce_over_shards(bucket, phase, run.stats)
             elif run.chunks and not overlapped:
                 bucket.pipeline.join()
 
@@ -492,7 +493,7 @@ class OffloadEngine:
         def compute(chunk: Chunk, buffers: dict[str, Tensor]) -> None:
             for phase in phases:
                 for args in bucket.chunk_calls(chunk, buffers, grads, steps, stats):
-                    update.call(phase, args)
+                    ops.run_update(update, phase, args)
 
         done = bucket.pipeline.run(bucket.plan, bucket.store, read=read, write=write, compute=compute,
                                    touches=lambda chunk: bucket.chunk_touches(chunk, grads, steps, stats), chunks=chunks)
@@ -644,6 +645,17 @@ class _Run:
     spanning: list[Chunk]
     grads_of: dict[int, Tensor]
     steps_of: dict[int, Tensor]
+
+
+def _reduce_over_shards(bucket: Bucket, phase: Phase, stats: Tensor) -> None:
+    """`phase`'s reductions of the statistics: sharded tensors' partial sums completed over the ranks
+    holding their other shards (nothing for unsharded ones), on the main stream. Collectives depend
+    only on the bucket's members: every rank makes the same ones, even one whose shards are empty."""
+    rt = bucket.runtime
+    if rt.records_accesses:
+        rt.main_access([stats], write=any(bucket.sharded), what="the shard reductions read the statistics")
+    for reduction in phase.reductions:
+        all_reduce_over_shards_(stats[:, reduction.first : reduction.end], bucket.params, reduction.op)
 
 
 def _check_capturable(bucket: Bucket, stepping: list[int]) -> None:
