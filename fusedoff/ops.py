@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # (the contract's types only: ops import nothing of the engin
     from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
 
 __all__ = ["BACKENDS", "TEST_BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
-           "adam_compressed_step_", "apollo_step_", "apollo_phases", "run_update", "apollo_whole_step_", "encode_8bit", "decode_8bit"]
+           "adam_compressed_step_", "apollo_step_", "apollo_phases", "run_update", "apollo_whole_step_", "encode_8bit",
+           "decode_8bit"]
 
 APOLLO_PHASES = ("reduce", "full", "moments", "finish")
 APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)

@@ -1,6 +1,6 @@
 """Proof that the stream simulation can fail: remove each single wait or event record of the engine.
 
-For every line of fusedoff/offload/pipeline.py, engine.py and bucket.py that orders device work (a wait on an
+For every line of fusedoff/offload/pipeline.py, engine.py, schedule.py and bucket.py that orders device work (a wait on an
 event or a stream, an event record, a host synchronisation, the main stream's join, the host's
 wait before writing into the store), this script copies the package to a scratch folder, removes
 that one line's effect, runs tests/test_stream_simulation.py (and the simulated cases of
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/bucket.py",
-           "fusedoff/optim/base.py")
+TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/schedule.py",
+           "fusedoff/offload/bucket.py", "fusedoff/optim/base.py")
 # (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
 RULES = (
     (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
