@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from fusedoff.offload.engine import OffloadEngine
+from fusedoff.offload.placement import Placement
 from fusedoff.offload.plan import round_up
 from fusedoff.offload.runtime import LinkBytes
 from fusedoff.formats import check_master_options, check_master_param
@@ -227,14 +227,14 @@ def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dic
 
 def _predict_fusedoff(params, on_device, host, specs, master_weights, master_precision, offload, device_type,
                       chunk_size, num_buffers, device_budget, phases_of) -> tuple[bool, int, LinkBytes]:
-    """Fills `on_device` and `host` as the engine places states (OffloadEngine.predict_placement):
+    """Fills `on_device` and `host` as the engine places states (Placement.predict_placement):
     buckets of one dtype and master setting in the order they first appear, each tensor's states
     and master resident while they fit in the budget. Returns whether anything streams, the
-    parameter elements that do, and the bytes a step copies (OffloadEngine.predict_link)."""
-    engine = OffloadEngine(offload, chunk_size, num_buffers, device_budget)  # constructing one allocates nothing
+    parameter elements that do, and the bytes a step copies (Placement.predict_link)."""
+    placement = Placement(offload, chunk_size, num_buffers, device_budget)  # constructing one allocates nothing
     # offload='auto' on a GPU without a budget decides one from the device's memory at the first
     # step: predicted as if everything fits.
-    budget = None if offload == "auto" and device_budget is None else engine.default_budget(device_type == "cuda")
+    budget = None if offload == "auto" and device_budget is None else placement.default_budget(device_type == "cuda")
     buckets: dict[tuple, list[Tensor]] = {}
     for p in params:
         master = keeps_master(p.dtype, master_weights)
@@ -242,16 +242,16 @@ def _predict_fusedoff(params, on_device, host, specs, master_weights, master_pre
             check_master_param(master_precision, p.dtype)
         buckets.setdefault((p.dtype, master), []).append(p)
     kept = [specs + ((master_spec(master_precision),) if master else ()) for _, master in buckets]
-    flags, buffers = engine.predict_placement([(k, [p.numel() for p in members])
-                                               for k, members in zip(kept, buckets.values())], budget)
+    flags, buffers = placement.predict_placement([(k, [p.numel() for p in members])
+                                                  for k, members in zip(kept, buckets.values())], budget)
     streamed, link = 0, LinkBytes()
     for bucket_specs, members, resident in zip(kept, buckets.values(), flags):
         numels = [0 if fits else p.numel() for p, fits in zip(members, resident)]
         streamed += sum(numels)
         if any(numels):
-            link = link + engine.predict_link(bucket_specs, phases_of(tuple(s.name for s in bucket_specs)), numels)
+            link = link + placement.predict_link(bucket_specs, phases_of(tuple(s.name for s in bucket_specs)), numels)
         masters = bucket_specs[len(specs):]
-        _, align = engine.plan_chunk_size(bucket_specs)
+        _, align = placement.plan_chunk_size(bucket_specs)
         for p, fits in zip(members, resident):
             n = p.numel()
             if fits:

@@ -13,6 +13,11 @@ by the optimizer class, handed to the Python backends as it is and unpacked once
 native schema's typed arguments. Each public op takes ``hyper=`` or the hyperparameters as
 keywords (one object is built from them); ``grad_scale``/``found_inf`` travel beside it.
 Dispatch is a lookup: the backend's name is checked in one place, ``backends.backend_named``.
+
+An optimizer's step reaches its op through `run_update`: the optimizer class describes the update
+as data (``fusedoff.offload.contract.FusedUpdate``: the op's name, which state feeds which argument,
+the hyperparameters) and the engine calls ``run_update(update, phase, args)`` once per phase and
+list of tensors; this is where that description becomes the op's arguments.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,8 +37,12 @@ from fusedoff.backends import BACKENDS, Backend, backend_named, check_device
 from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 from fusedoff.kernels import codec
 
+if TYPE_CHECKING:  # (the contract's types only: ops import nothing of the engine)
+    from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
+
 __all__ = ["BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
-           "adam_compressed_step_", "apollo_step_", "apollo_phases", "apollo_whole_step_", "encode_8bit", "decode_8bit"]
+           "adam_compressed_step_", "apollo_step_", "apollo_phases", "run_update", "apollo_whole_step_", "encode_8bit",
+           "decode_8bit"]
 
 APOLLO_PHASES = ("reduce", "full", "moments", "finish")
 APOLLO_NUM_STATS = 5  # sum d^4, sum y*d, sum B*d^2, max |y|, sum D (see csrc/include/fusedoff/apollo.h)
@@ -251,6 +262,40 @@ def apollo_whole_step_(params, grads, exp_avg_grads, approx_hessians, updates, m
                      numels, phase=phase, backend=backend, hyper=hyper, grad_scale=grad_scale, found_inf=found_inf)
         if after_phase is not None:
             after_phase(stats, phase)
+
+
+# ---- an optimizer's update, described as data ---------------------------------------------------------
+def _list_arguments(function: Callable) -> tuple[tuple[str, ...], bool]:
+    """The names of an op function's list arguments, in order, and whether it takes a ``phase``."""
+    parameters = inspect.signature(function).parameters.values()
+    return (tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            any(p.name == "phase" and p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters))
+
+
+def run_update(update: FusedUpdate, phase: Phase, args: UpdateArgs) -> None:
+    """Phase `phase` of `update` over the tensors (or ranges of tensors) of `args`: the op `update`
+    names, each of its list arguments taken from `args` by name (params, grads, steps, stats,
+    total_numels, offsets), from the states `update.states` maps to it, or from `update.per_tensor`."""
+    if update.op not in _UPDATE_ARGUMENTS:
+        raise ValueError(f"no fused op named {update.op!r}; the ops are {sorted(_UPDATE_ARGUMENTS)}")
+    positional, phased = _UPDATE_ARGUMENTS[update.op]
+    lists = {"params": args.params, "grads": args.grads, "steps": args.steps, "stats": args.stats,
+             "total_numels": args.total_numels, "offsets": args.offsets}
+    states = args.states
+    for argument, fed_by in update.states:
+        if isinstance(fed_by, str):
+            lists[argument] = states[fed_by]
+        else:  # the first the call holds, or none
+            lists[argument] = next((states[name] for name in fed_by if states.get(name)), [])
+    for argument, values in update.per_tensor:
+        lists[argument] = [values[t] for t in args.tensors]
+    op = globals()[update.op]  # (looked up at the call, as a call by name would)
+    op(*(lists[name] for name in positional), **({"phase": phase.name} if phased else {}), backend=update.backend,
+       hyper=update.hyper, grad_scale=update.grad_scale, found_inf=update.found_inf)
+
+
+# The list arguments of each op's function (above), by the op's name in the table.
+_UPDATE_ARGUMENTS = {name: _list_arguments(globals()[name]) for name in _OPS}
 
 
 # ---- the 8-bit codec on whole tensors (checkpoints) ------------------------------------------------

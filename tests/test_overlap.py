@@ -12,10 +12,13 @@ buckets interleave in forward order.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 import fusedoff
+from fusedoff import ops
 from fusedoff.offload import runtimes
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
 from fusedoff.testing.timed import Rates, TimedRuntime, predict
@@ -51,26 +54,6 @@ def record_forward_reads(model, sims):
                                                               what="the forward reads a parameter") if sims else None)
 
 
-def record_after_phase_reads(opt, sims):
-    """An update's `after_phase` runs on the main stream between phases and reads the statistics the
-    phase accumulated (completing sharded tensors' sums): recorded as that read."""
-    make = opt._fused_update
-
-    def fused_update(*args, **kwargs):
-        update = make(*args, **kwargs)
-        if update.after_phase is not None:
-            inner = update.after_phase
-
-            def after_phase(phase, stats, params):
-                sims[-1].main_access([stats], write=False, what="after_phase reads the statistics")
-                inner(phase, stats, params)
-
-            update.after_phase = after_phase
-        return update
-
-    opt._fused_update = fused_update
-
-
 def training_run(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
           read_state=False):
     """`read_state`: read every state right after each step (a host synchronisation, which orders
@@ -92,7 +75,6 @@ def training_run(dtype, precision, placement, *, overlap, seed=0, set_to_none=Tr
             opt = fusedoff.AdamW(groups, lr=1e-2, weight_decay=0.1, state_precision=precision, **PLACEMENTS[placement])
         handle = opt.overlap_with(model) if overlap else None
         record_forward_reads(model, sims)
-        record_after_phase_reads(opt, sims)
         gen = torch.Generator().manual_seed(1)
         seen = []
         for step in range(STEPS):
@@ -179,20 +161,24 @@ def updates_in_order(overlap: bool) -> list[tuple[str, int]]:
                              offload="stream", chunk_size=WIDTH * WIDTH)
         if overlap:
             opt.overlap_with(model)
-        order = []
-        call = opt._fused_update
+        order, kinds = [], {}
+        make, run_update = opt._fused_update, ops.run_update
 
-        def spy(group, *args, **kwargs):
-            update = call(group, *args, **kwargs)
-            inner, kind = update.call, "weight" if group is opt.param_groups[0] else "bias"
-            update.call = lambda phase, a: (order.extend((kind, t) for t in a.tensors), inner(phase, a))
+        def spy(group, *args, **kwargs):  # which bucket an update is for
+            update = make(group, *args, **kwargs)
+            kinds[id(update)] = "weight" if group is opt.param_groups[0] else "bias"
             return update
+
+        def run_spied(update, phase, a):
+            order.extend((kinds[id(update)], t) for t in a.tensors)
+            run_update(update, phase, a)
 
         opt._fused_update = spy
         model(torch.randn(2, WIDTH)).sum().backward()
-        opt.step()
-        opt._engine.join()
-        opt._engine.runtimes[torch.device("cpu")].drain()
+        with mock.patch.object(ops, "run_update", run_spied):  # (queued chunks run by drain)
+            opt.step()
+            opt._engine.join()
+            opt._engine.runtimes[torch.device("cpu")].drain()
     return order
 
 

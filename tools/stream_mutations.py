@@ -1,10 +1,11 @@
 """Proof that the stream simulation can fail: remove each single wait or event record of the engine.
 
-For every line of fusedoff/offload/pipeline.py, engine.py and bucket.py that orders device work (a wait on an
-event or a stream, an event record, a host synchronisation, the main stream's join, the host's
-wait before writing into the store), this script copies the package to a scratch folder, removes
-that one line's effect, runs tests/test_stream_simulation.py (and the simulated cases of
-tests/test_outside_writes.py) against the copy, and reports whether
+For every line of fusedoff/offload/pipeline.py, engine.py, schedule.py and bucket.py (and
+fusedoff/optim/base.py) that orders device work (a wait on an event or a stream, an event record, a
+host synchronisation, the main stream's join, the host's wait before writing into the store), this
+script copies the package to a scratch folder, removes that one line's effect, runs
+tests/test_stream_simulation.py and tests/test_overlap.py (and the simulated cases of
+tests/test_outside_writes.py and tests/test_step_faults.py) against the copy, and reports whether
 the tests failed (caught: by the race checker, or by a wrong value) or passed (missed).
 
     .venv/bin/python tools/stream_mutations.py            # prints "N of M single-wait removals caught"
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/bucket.py",
-           "fusedoff/optim/base.py")
+TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/schedule.py",
+           "fusedoff/offload/bucket.py", "fusedoff/optim/base.py")
 # (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
 RULES = (
     (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
@@ -82,10 +83,12 @@ def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
         shutil.copy(test_file, scratch / "tests")
     (scratch / "pytest.ini").write_text("[pytest]\n")
     # The simulated cases of the outside-write tests too: a streamed master's kernel reads the
-    # parameter beside it, and assigned masters are written into the store between two steps.
+    # parameter beside it, and assigned masters are written into the store between two steps. And
+    # those of the fault tests: after a failure among a step's changes, the host writes a loaded
+    # checkpoint into the store once the pipeline has settled.
     test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "tests/test_outside_writes.py",
-                           "tests/test_overlap.py",
-                           "-k", "not test_outside_writes or simulated", "-c", "pytest.ini", "-x",
+                           "tests/test_overlap.py", "tests/test_step_faults.py",
+                           "-k", "not test_outside_writes and not test_step_faults or simulated", "-c", "pytest.ini", "-x",
                            "-q", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, cwd=scratch)
     if "fusedoff" not in test.stdout + test.stderr and test.returncode not in (0, 1):

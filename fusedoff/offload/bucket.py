@@ -101,6 +101,12 @@ class Bucket:
         # tensor's chunks: what a forward that reads the tensor waits for when steps overlap it.
         self.chunk_done: dict[int, object] = {}
         self._tensor_chunks: list[list[int]] | None = None
+        # The states with one value per block of elements, and that block (see `_heads_apart`).
+        self._block_wise = {name for name, spec in self.specs.items() if spec.block != 1}
+        blocks = {spec.block for spec in self.specs.values() if spec.block != 1}
+        if len(blocks) > 1:
+            raise ValueError(f"the block-wise states of one bucket share one block size, got {sorted(blocks)}")
+        self._block = next(iter(blocks), 1)
 
     @property
     def device(self) -> torch.device:
@@ -315,7 +321,7 @@ class Bucket:
                 tensors=args.tensors, params=args.params, grads=[grads[i] for i in rows], states=args.states,
                 steps=[steps[i] for i in rows], stats=[stat_rows[t] for t in args.tensors] if stats is not None else [],
                 total_numels=args.total_numels, offsets=args.offsets))
-        return calls
+        return self._heads_apart(calls)
 
     def chunk_touches(self, chunk: Chunk, grads: dict[int, Tensor], steps: dict[int, Tensor],
                       stats: Tensor | None) -> list[Tensor]:
@@ -362,7 +368,49 @@ class Bucket:
                 total_numels=[self.params[p.tensor].numel() for p in pieces],
                 offsets=[self.origins[p.tensor] + p.tensor_offset for p in pieces],
             ))
-        return calls
+        return self._heads_apart(calls)
+
+    def _heads_apart(self, calls: list[UpdateArgs]) -> list[UpdateArgs]:
+        """`calls` with each range that starts inside a block of the block-wise states (a shard whose
+        first element is inside one of its parameter's blocks: see [note: compressed states of
+        shards]) cut in two (`_cut_at_block`)."""
+        if not self._block_wise:
+            return calls
+        block = self._block
+        return [_cut_at_block(args, block, self._block_wise) if any(o % block for o in args.offsets) else args
+                for args in calls]
+
+
+def _cut_at_block(args: UpdateArgs, block: int, block_wise: set[str]) -> UpdateArgs:
+    """`args` with each range cut at its first `block` boundary: its head up to there, a block of
+    its own with the first value of each block-wise state, and the rest, whose blocks are the
+    parameter's. The kernels count a range's blocks from its first element, and take a block-wise
+    range's offset as a block's first element: the head's is the block it is part of. `block_wise`
+    names the states with one value per block; the others have one per element."""
+    out = UpdateArgs(tensors=[], params=[], grads=[], states={name: [] for name in args.states}, steps=[], stats=[],
+                     total_numels=[], offsets=[])
+    for i, offset in enumerate(args.offsets):
+        n = args.params[i].numel()
+        head = min(-offset % block, n)
+        block_start = offset - offset % block
+        parts = [(0, n, 0, None, block_start)]  # (an empty shard's range: nothing of a block)
+        if head:
+            parts = [(0, head, 0, 1, block_start)]
+            if head < n:
+                parts.append((head, n, 1, None, offset + head))
+        for begin, end, first_block, end_block, part_offset in parts:
+            out.tensors.append(args.tensors[i])
+            out.params.append(args.params[i][begin:end])
+            out.grads.append(args.grads[i][begin:end])
+            for name, values in args.states.items():
+                out.states[name].append(values[i][first_block:end_block] if name in block_wise
+                                        else values[i][begin:end])
+            out.steps.append(args.steps[i])
+            if args.stats:
+                out.stats.append(args.stats[i])
+            out.total_numels.append(args.total_numels[i])
+            out.offsets.append(part_offset)
+    return out
 
 
 def _dtypes(grads: list[Tensor]) -> tuple:

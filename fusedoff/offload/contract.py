@@ -5,21 +5,25 @@ their states (`StateSpec`s), what it refuses, how a loaded state converts, and t
 one bucket for one step. The engine answers with everything else: buckets, placement, adoption of
 ``opt.state``, master weights that follow the parameters, streaming.
 
-An optimizer declares, for one bucket and one step, a `FusedUpdate`: its phases in order (Adam
-one, Apollo a reduction then an apply), the states each phase reads and writes, the per-tensor
-float64 statistics the phases accumulate (whole-tensor sums), and the call that runs one phase
-on lists of tensors (`UpdateArgs`). Where the states live, and whether the call sees whole
+An optimizer declares, for one bucket and one step, a `FusedUpdate`: plain data, frozen. It names
+the op (an entry of ``fusedoff.ops``' table), its phases in order (Adam one, Apollo a reduction then
+an apply) with the states each reads and writes, which state feeds which of the op's arguments,
+the hyperparameters object, the backend, ``grad_scale``/``found_inf``, per-tensor values (the
+compressed op's random keys) and the per-tensor float64 statistics the phases accumulate
+(whole-tensor sums). The engine runs a phase over lists of tensors (`UpdateArgs`) with one call,
+``ops.run_update(update, phase, args)``; where the states live, and whether the call sees whole
 tensors on the device or pieces of chunk buffers, is the engine's business: the call is the same.
+Nothing in the optimizer class runs during the step.
 
 Phase semantics: phase k+1 of a tensor may read what phase k accumulated over the whole tensor
 (its row of `stats`), so between two phases every piece of a tensor must have finished the earlier
-one; `after_phase(phase, stats, params)` runs then, with the bucket's parameters, one per row of
-`stats` (a sharded tensor's partial sums are completed there).
+one; then the phase's `reductions` combine a sharded tensor's partial sums over the ranks holding
+its other shards (``sharding.all_reduce_over_shards_``), so that the next phase sees whole-tensor sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,10 +63,29 @@ LOADED_PARAM_VALUE = "fusedoff: the parameter's value at load"
 
 
 @dataclass(frozen=True)
+class ShardReduction:
+    """Columns ``first:end`` of a phase's statistics, combined over the shards of a sharded tensor
+    with `op` ("sum" or "max") once the phase is done."""
+
+    first: int
+    end: int
+    op: str
+
+
+@dataclass(frozen=True)
 class Phase:
     name: str
     reads: tuple[str, ...]  # states the phase reads (parameters and gradients are always available)
     writes: tuple[str, ...]  # states the phase writes
+    reductions: tuple[ShardReduction, ...] = ()  # after the phase: sharded tensors' sums completed
+
+
+def moved(phases: Iterable[Phase]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every state some phase reads or writes, every state some phase writes): what a pass running
+    all of `phases` moves in, and out."""
+    phases = tuple(phases)
+    return (tuple(dict.fromkeys(n for p in phases for n in p.reads + p.writes)),
+            tuple(dict.fromkeys(n for p in phases for n in p.writes)))
 
 
 @dataclass
@@ -83,21 +106,32 @@ class UpdateArgs:
     offsets: list[int]  # each piece's first element in its tensor (0 for whole tensors)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FusedUpdate:
+    """One bucket's update for one step, as data (see the module's docstring)."""
+
+    op: str  # the op's name in fusedoff.ops' table
     phases: tuple[Phase, ...]
-    call: Callable[[Phase, UpdateArgs], None]
-    stats_columns: int = 0
-    after_phase: Callable[[Phase, Tensor, list[Tensor]], None] | None = None
+    # (the op's argument, the state that feeds it): a name, which the bucket keeps; or a tuple of
+    # names, the first the bucket keeps feeding it (none: an empty list), as the master weight in
+    # whichever form it is kept, or a state only some buckets keep.
+    states: tuple[tuple[str, str | tuple[str, ...]], ...]
+    hyper: object  # the op's hyperparameters object (fusedoff.hyperparameters)
+    backend: str
+    grad_scale: Tensor | None = None
+    found_inf: Tensor | None = None
+    # (the op's argument, one value per tensor of the bucket): the call passes its tensors' values.
+    per_tensor: tuple[tuple[str, tuple], ...] = ()
+    stats_columns: int = 0  # float64 statistics per tensor that the phases accumulate (0: none)
 
     @property
     def reads(self) -> tuple[str, ...]:
         """Every state some phase reads or writes (a pass running all phases moves these in)."""
-        return tuple(dict.fromkeys(n for p in self.phases for n in p.reads + p.writes))
+        return moved(self.phases)[0]
 
     @property
     def writes(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(n for p in self.phases for n in p.writes))
+        return moved(self.phases)[1]
 
 
 class OptimizerRules(Protocol):

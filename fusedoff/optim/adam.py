@@ -11,8 +11,8 @@ from fusedoff import formats, ops
 from fusedoff.formats import Role
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import codec
-from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec, UpdateArgs
-from fusedoff.optim.base import FusedOptimizer, master_states
+from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec
+from fusedoff.optim.base import MASTER_NAMES, FusedOptimizer
 from fusedoff.optim.validation import check_torch_flags
 from fusedoff.sharding import shard_key, zero_redundancy_owner
 
@@ -95,34 +95,22 @@ class Adam(FusedOptimizer):
                                     weight_decay=group["weight_decay"],
                                     decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
                                     maximize=group["maximize"])
-        beside = dict(hyper=hyper, grad_scale=grad_scale, found_inf=found_inf, backend=backend)
-
+        beside = dict(phases=(Phase("adam", reads=names, writes=names),), hyper=hyper, backend=backend,
+                      grad_scale=grad_scale, found_inf=found_inf)
+        moments = (("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"))
+        master = ("master_params", MASTER_NAMES)  # whichever form the bucket keeps, if any
         if group["state_precision"] == "fp32":
-            def call(phase: Phase, args: UpdateArgs) -> None:
-                states = args.states
-                ops.adam_step_(args.params, args.grads, states["exp_avg"], states["exp_avg_sq"],
-                               states.get("max_exp_avg_sq", []), master_states(states), args.steps,
+            return FusedUpdate("adam_step_", states=(*moments, ("max_exp_avg_sqs", ("max_exp_avg_sq",)), master),
                                **beside)
-        else:
-            # The random stream's key of each tensor: the optimizer's seed and the parameter's index
-            # in the state dict, so it is the same however the tensor is placed or cut into chunks.
-            positions = self._key_positions()
-            # A shard that is no run of its parameter's elements draws from a stream of its own
-            # (see [note: compressed states of shards]).
-            keys = [codec.tensor_key(group["seed"], positions[id(p)]) ^ shard_key(p) for p in params]
-
-            block_wise = {spec.name for spec in self._state_specs(group) if spec.block != 1}  # 8-bit scales
-
-            def call(phase: Phase, args: UpdateArgs) -> None:
-                if block_wise and any(o % codec.QUANT_BLOCK for o in args.offsets):
-                    args = _heads_apart(args, block_wise)
-                states = args.states
-                ops.adam_compressed_step_(
-                    args.params, args.grads, states["exp_avg"], states["exp_avg_sq"], states.get("exp_avg_absmax", []),
-                    states.get("exp_avg_sq_absmax", []), master_states(states), args.steps, args.offsets,
-                    [keys[t] for t in args.tensors], **beside)
-
-        return FusedUpdate(phases=(Phase("adam", reads=names, writes=names),), call=call)
+        # The random stream's key of each tensor: the optimizer's seed and the parameter's index in
+        # the state dict, so it is the same however the tensor is placed or cut into chunks. A shard
+        # that is no run of its parameter's elements draws from a stream of its own (see [note:
+        # compressed states of shards]). The 8-bit scales are block-wise states (bf16 has none).
+        positions = self._key_positions()
+        keys = tuple(codec.tensor_key(group["seed"], positions[id(p)]) ^ shard_key(p) for p in params)
+        scales = (("exp_avg_absmaxs", ("exp_avg_absmax",)), ("exp_avg_sq_absmaxs", ("exp_avg_sq_absmax",)))
+        return FusedUpdate("adam_compressed_step_", states=(*moments, *scales, master),
+                           per_tensor=(("tensor_keys", keys),), **beside)
 
 
 class AdamW(Adam):
@@ -221,39 +209,6 @@ class AdamW(Adam):
 def adam_state_specs(state_precision: str = "fp32", amsgrad: bool = False) -> tuple[StateSpec, ...]:
     """How Adam's states are stored per parameter (besides ``step`` and ``master_param``)."""
     return Adam._state_specs(dict(state_precision=state_precision, amsgrad=amsgrad))
-
-
-def _heads_apart(args: UpdateArgs, block_wise: set[str]) -> UpdateArgs:
-    """`args` with each range that starts inside a block (a shard whose first element is inside one
-    of its parameter's blocks: see [note: compressed states of shards]) cut in two: its head up to
-    the next block boundary, a block of its own with the first scale, and the rest, whose blocks
-    are the parameter's. The kernels count a range's blocks from its first element, and take an
-    8-bit range's offset as a block's first element: the head's is the block it is part of.
-    `block_wise` names the states with one value per block (the scales), the others have one per element."""
-    out = UpdateArgs(tensors=[], params=[], grads=[], states={name: [] for name in args.states}, steps=[], stats=[],
-                     total_numels=[], offsets=[])
-    for i, offset in enumerate(args.offsets):
-        n = args.params[i].numel()
-        head = min(-offset % codec.QUANT_BLOCK, n)
-        block_start = offset - offset % codec.QUANT_BLOCK
-        parts = [(0, n, 0, None, block_start)]  # (an empty shard's range: nothing of a block)
-        if head:
-            parts = [(0, head, 0, 1, block_start)]
-            if head < n:
-                parts.append((head, n, 1, None, offset + head))
-        for begin, end, first_block, end_block, part_offset in parts:
-            out.tensors.append(args.tensors[i])
-            out.params.append(args.params[i][begin:end])
-            out.grads.append(args.grads[i][begin:end])
-            for name, values in args.states.items():
-                out.states[name].append(values[i][first_block:end_block] if name in block_wise
-                                        else values[i][begin:end])
-            out.steps.append(args.steps[i])
-            if args.stats:
-                out.stats.append(args.stats[i])
-            out.total_numels.append(args.total_numels[i])
-            out.offsets.append(part_offset)
-    return out
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable) -> tuple:

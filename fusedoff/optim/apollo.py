@@ -7,16 +7,15 @@ import torch
 from fusedoff import ops
 from fusedoff.formats import Role
 from fusedoff.hyperparameters import ApolloHyperparameters
-from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
-from fusedoff.optim.base import MASTER_NAMES, FusedOptimizer, master_states
-from fusedoff.sharding import all_reduce_over_shards_
+from fusedoff.offload.contract import FusedUpdate, Phase, ShardReduction
+from fusedoff.optim.base import MASTER_NAMES, FusedOptimizer
 
 # How the shards of a sharded (FSDP2) tensor combine their partial sums, after the phase that fills
 # them: columns of `stats` (ApolloStat in csrc/include/fusedoff/apollo.h). The sums add up; the
 # belief bound max |g - m| is a max.
 _SHARD_REDUCTIONS = {
-    "reduce": ((slice(0, 3), "sum"), (slice(3, 4), "max")),
-    "moments": ((slice(4, 5), "sum"),),
+    "reduce": (ShardReduction(0, 3, "sum"), ShardReduction(3, 4, "max")),
+    "moments": (ShardReduction(4, 5, "sum"),),
 }
 
 
@@ -118,27 +117,12 @@ class Apollo(FusedOptimizer):
             "moments": (moments + (master if l2 else ()), moments[:2]),
             "finish": (moments[:2] + master, moments[2:] + master),
         }
-        phases = tuple(Phase(name, *touched[name])
+        phases = tuple(Phase(name, *touched[name], reductions=_SHARD_REDUCTIONS.get(name, ()))
                        for name in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]))
-
-        def call(phase: Phase, args: UpdateArgs) -> None:
-            states = args.states
-            ops.apollo_step_(args.params, args.grads, states["exp_avg_grad"], states["approx_hessian"],
-                             states["update"], master_states(states), args.steps, args.stats,
-                             args.total_numels, phase=phase.name, hyper=hyper, grad_scale=grad_scale,
-                             found_inf=found_inf, backend=backend)
-
-        return FusedUpdate(phases=phases, call=call, stats_columns=ops.APOLLO_NUM_STATS,
-                           after_phase=self._combine_shards)
-
-    @staticmethod
-    def _combine_shards(phase: Phase, stats: torch.Tensor, params: list[torch.Tensor]) -> None:
-        """Completes the partial sums of sharded tensors over the ranks holding their other shards
-        (nothing for unsharded ones), so that the next phase sees whole-tensor sums. Collectives
-        depend only on the bucket's members: every rank makes the same ones, even one whose
-        shards are empty."""
-        for columns, op in _SHARD_REDUCTIONS.get(phase.name, ()):
-            all_reduce_over_shards_(stats[:, columns], params, op)
+        states = (("exp_avg_grads", "exp_avg_grad"), ("approx_hessians", "approx_hessian"), ("updates", "update"),
+                  ("master_params", MASTER_NAMES))
+        return FusedUpdate("apollo_step_", phases, states, hyper=hyper, backend=backend, grad_scale=grad_scale,
+                           found_inf=found_inf, stats_columns=ops.APOLLO_NUM_STATS)
 
     @staticmethod
     def _steps_as_ints(self: "Apollo", state_dict: dict) -> dict:

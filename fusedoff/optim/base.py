@@ -1,9 +1,10 @@
 """What every fusedoff optimizer class shares: torch.optim conventions around a fused step.
 
-A subclass names its state tensors and declares its fused update (`FusedUpdate`: phases, the
-states each reads and writes, the call); this base validates input, keeps torch.optim's
-conventions (state_dict hooks, copies, param groups, GradScaler's ``grad_scale``/``found_inf``,
-``clip_grad_norm_``) and answers the engine's questions (`fusedoff.offload.contract.OptimizerRules`).
+A subclass names its state tensors and declares its fused update (`FusedUpdate`, plain data: the
+op, its phases and the states each reads and writes, which state feeds which argument); this base
+validates input, keeps torch.optim's conventions (state_dict hooks, copies, param groups,
+GradScaler's ``grad_scale``/``found_inf``, ``clip_grad_norm_``) and answers the engine's questions
+(`fusedoff.offload.contract.OptimizerRules`).
 The offload engine owns the rest: buckets, placement, ``opt.state`` adoption, master weights, the step.
 """
 
@@ -240,19 +241,8 @@ class FusedOptimizer(Optimizer):
         """Changes the bytes of state kept on the parameters' device (None: as at construction,
         for offload='auto' decided again at the next step). Every state is placed afresh at the
         next step, keeping its value; until then states stay where they are."""
-        config = {**self._config, "device_budget": device_budget}
-        OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"], device_budget)  # refuses first
-        self._engine.wait_host()  # every chunk done (copied back after its computation): no join needed
-        old = self._engine
-        forward_order = old.forward_order
-        peak = old.memory_stats()["device_peak_bytes"]
-        self._config = config
-        self._start_engine(config)
-        self._engine._device_peak = peak
-        self._engine.carry_link_counts(old.link_counts())
-        self._engine.incomplete = old.incomplete  # a new placement does not make a half step whole
-        self._engine.overlap(forward_order)
-        self._wrap_state()
+        self._engine.set_device_budget(device_budget)  # refused before anything changes if it cannot be
+        self._config = {**self._config, "device_budget": device_budget}
 
     def memory_stats(self) -> dict:
         """Where the optimizer's bytes are.

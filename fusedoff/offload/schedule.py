@@ -1,0 +1,79 @@
+"""The engine's side of [note: overlap with the next forward] (fusedoff/optim/overlap.py).
+
+`ForwardSchedule` holds the order the next forward reads the parameters in (None: steps join
+as a plain step does). With an order, a step's single-pass chunks run interleaved across buckets
+in that order (`passes`), and the main stream waits only for the chunks holding the parameters a
+module is about to read (`wait_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from fusedoff.offload.bucket import Bucket
+from fusedoff.offload.plan import Chunk
+
+if TYPE_CHECKING:
+    from fusedoff.offload.placement import Placement
+
+
+class ForwardSchedule:
+    def __init__(self) -> None:
+        self.order: dict[int, int] | None = None  # id(param) -> its first use in the forward
+        self._waits: dict[Hashable, list[tuple[Bucket, list[int]]]] = {}  # wait_for's chunks per parameter set
+        self._generation = None  # the placement's generation the waits were found in
+
+    def follow(self, order: dict[int, int] | None) -> None:
+        """Steps from now on run in `order` and end without a join (None: as a plain step)."""
+        self.order = order
+        self._waits.clear()
+
+    def wait_for(self, key: Hashable, params: Sequence[Tensor], placement: Placement) -> None:
+        """The main stream waits for the chunks holding `params` (their last step's update); resident
+        parameters were updated on the main stream already. `key` names the set for the cache."""
+        if self._generation != placement.generation:  # buckets placed or dropped since
+            self._waits.clear()
+            self._generation = placement.generation
+        waits = self._waits.get(key)
+        if waits is None:
+            waits = self._waits[key] = _chunks_of(params, placement.buckets.values())
+        for bucket, chunks in waits:
+            rt = bucket.runtime
+            main = rt.current_stream()
+            done = bucket.chunk_done
+            for c in chunks:
+                rt.wait_event(main, done.get(c))
+
+    def passes(self, buckets: Sequence[Bucket], chunks: Sequence[list[Chunk]]) -> list[tuple[int, list[Chunk]]]:
+        """The single-pass chunks of a step's buckets (`chunks[k]` of `buckets[k]`) in the order the
+        next forward reads their parameters, as passes: (k, a run of consecutive chunks of bucket k)."""
+        order = self.order
+        schedule = []
+        for k, (bucket, own) in enumerate(zip(buckets, chunks)):
+            for chunk in own:
+                first = min((order.get(id(bucket.params[p.tensor]), len(order)) for p in chunk.pieces),
+                            default=len(order))
+                schedule.append((first, k, chunk.index, chunk))
+        schedule.sort(key=lambda entry: entry[:3])
+        passes: list[tuple[int, list[Chunk]]] = []
+        for _, k, _, chunk in schedule:  # runs of consecutive chunks of one bucket: one pass each
+            if passes and passes[-1][0] == k:
+                passes[-1][1].append(chunk)
+            else:
+                passes.append((k, [chunk]))
+        return passes
+
+
+def _chunks_of(params: Sequence[Tensor], buckets) -> list[tuple[Bucket, list[int]]]:
+    """The streamed chunks holding `params`, bucket by bucket."""
+    wanted = {id(p) for p in params}
+    found = []
+    for bucket in buckets:
+        chunks = sorted({c for t, p in enumerate(bucket.params) if id(p) in wanted and not bucket.resident[t]
+                         for c in bucket.chunks_of_tensor(t)})
+        if chunks:
+            found.append((bucket, chunks))
+    return found
