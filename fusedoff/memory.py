@@ -215,14 +215,12 @@ def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool
 
 
 def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dict) -> Callable:
-    """names -> the phases the optimizer class declares for a bucket keeping states `names` (its own
-    `_fused_update`, asked of an instance on a meta tensor: nothing is allocated)."""
+    """names -> the phases the optimizer class declares for a bucket keeping states `names`."""
     cls = _CLASSES[optimizer]
     if optimizer != "apollo":
         options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
-    opt = cls([torch.empty(1, device="meta")], **{"lr": 1e-3, **options})
-    group = opt.param_groups[0]
-    return lambda names: opt._fused_update(group, "torch", None, None, names, []).phases
+    group = cls._default_options(**options)
+    return lambda names: cls._phases(group, names)
 
 
 def _predict_fusedoff(params, on_device, host, specs, master_weights, master_precision, offload, device_type,

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from fusedoff import formats, ops
+from fusedoff import formats
 from fusedoff.formats import Role
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import codec
@@ -89,13 +89,17 @@ class Adam(FusedOptimizer):
         super()._check_group_options(group)
         self._check_options(group)
 
+    @classmethod
+    def _phases(cls, group: dict, names: tuple[str, ...]) -> tuple[Phase, ...]:
+        return (Phase("adam", reads=names, writes=names),)
+
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         beta1, beta2 = group["betas"]
         hyper = AdamHyperparameters(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                     weight_decay=group["weight_decay"],
                                     decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
                                     maximize=group["maximize"])
-        beside = dict(phases=(Phase("adam", reads=names, writes=names),), hyper=hyper, backend=backend,
+        beside = dict(phases=self._phases(group, names), hyper=hyper, backend=backend,
                       grad_scale=grad_scale, found_inf=found_inf)
         moments = (("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"))
         master = ("master_params", MASTER_NAMES)  # whichever form the bucket keeps, if any

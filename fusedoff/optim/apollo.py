@@ -79,7 +79,7 @@ class Apollo(FusedOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if weight_decay_type is None:
-            weight_decay_type = "L2" if rebound == "constant" else "decoupled"
+            weight_decay_type = default_weight_decay_type(rebound)
         if weight_decay_type not in ("L2", "decoupled", "stable"):
             raise ValueError(f"Invalid weight decay type: {weight_decay_type}")
         defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
@@ -102,12 +102,9 @@ class Apollo(FusedOptimizer):
         # (kept in fp32 only: a role would choose the 8-bit map of a compressed form)
         return {"exp_avg_grad": Role.SIGNED_MOMENT, "approx_hessian": Role.SIGNED_MOMENT, "update": Role.SIGNED_MOMENT}
 
-    def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
-        hyper = ApolloHyperparameters(lr=group["lr"], base_lr=group["base_lr"], init_lr=group["init_lr"],
-                                      warmup=group["warmup"], beta=group["beta"], eps=group["eps"],
-                                      weight_decay=group["weight_decay"], rebound=group["rebound"],
-                                      weight_decay_type=group["weight_decay_type"])
-        moments = self._state_names(group)
+    @classmethod
+    def _phases(cls, group: dict, names: tuple[str, ...]) -> tuple[Phase, ...]:
+        moments = cls._state_names(group)
         master = tuple(n for n in names if n in MASTER_NAMES)
         # Every backend reads the parameter in 'reduce' and 'moments' only with L2 decay.
         l2 = group["weight_decay"] != 0 and group["weight_decay_type"] == "L2"
@@ -117,8 +114,22 @@ class Apollo(FusedOptimizer):
             "moments": (moments + (master if l2 else ()), moments[:2]),
             "finish": (moments[:2] + master, moments[2:] + master),
         }
-        phases = tuple(Phase(name, *touched[name], reductions=_SHARD_REDUCTIONS.get(name, ()))
-                       for name in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]))
+        return tuple(Phase(name, *touched[name], reductions=_SHARD_REDUCTIONS.get(name, ()))
+                     for name in ops.apollo_phases(group["weight_decay"], group["weight_decay_type"]))
+
+    @classmethod
+    def _default_options(cls, **options) -> dict:
+        options = super()._default_options(**options)
+        if options["weight_decay_type"] is None:
+            options["weight_decay_type"] = default_weight_decay_type(options["rebound"])
+        return options
+
+    def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
+        hyper = ApolloHyperparameters(lr=group["lr"], base_lr=group["base_lr"], init_lr=group["init_lr"],
+                                      warmup=group["warmup"], beta=group["beta"], eps=group["eps"],
+                                      weight_decay=group["weight_decay"], rebound=group["rebound"],
+                                      weight_decay_type=group["weight_decay_type"])
+        phases = self._phases(group, names)
         states = (("exp_avg_grads", "exp_avg_grad"), ("approx_hessians", "approx_hessian"), ("updates", "update"),
                   ("master_params", MASTER_NAMES))
         return FusedUpdate("apollo_step_", phases, states, hyper=hyper, backend=backend, grad_scale=grad_scale,
@@ -134,3 +145,7 @@ class Apollo(FusedOptimizer):
         }
         return state_dict
 
+
+def default_weight_decay_type(rebound: str) -> str:
+    """The reference's default decay for `rebound`: 'L2' for constant rebound, 'decoupled' for belief."""
+    return "L2" if rebound == "constant" else "decoupled"

@@ -10,6 +10,7 @@ The offload engine owns the rest: buckets, placement, ``opt.state`` adoption, ma
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from fusedoff.backends import backend_named, resolve_backend
 from fusedoff.formats import MASTER, Role, StoredForm, check_master_options
 from fusedoff.kernels import codec
 from fusedoff.offload import OffloadEngine
-from fusedoff.offload.contract import FusedUpdate, StateSpec
+from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
@@ -119,6 +120,20 @@ class FusedOptimizer(Optimizer):
         """The states of one parameter in `group` (besides ``step`` and its master weight) and
         their roles: a group's options pick each one's stored form."""
         raise NotImplementedError
+
+    @classmethod
+    def _phases(cls, group: dict, names: tuple[str, ...]) -> tuple[Phase, ...]:
+        """The phases of a step of a bucket of `group` keeping states `names` (the states each reads
+        and writes): what its `FusedUpdate` runs, and what ``fusedoff.memory.predict`` counts."""
+        raise NotImplementedError
+
+    @classmethod
+    def _default_options(cls, **options) -> dict:
+        """A param group's options with `options` and this class's defaults for the rest (what
+        ``fusedoff.memory.predict`` asks the class without making an optimizer)."""
+        defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        return {**defaults, **options}
 
     # ---- stored forms (fusedoff/formats.py) ------------------------------------------------------
     @classmethod
