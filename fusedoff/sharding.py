@@ -25,7 +25,7 @@ double at each binade, and a smaller scale can lift an element into a binade of 
 twice the step. No collective
 runs: a rank's part decides its own scale. Streamed, the shard's first element is placed at its
 offset modulo the block (its `lead` in the chunk plan), so chunks are cut on the parameter's
-block boundaries; the head block is a fused range of its own (`_heads_apart` in optim/adam.py).
+block boundaries; the head block is a fused range of its own (`Bucket._heads_apart` in offload/bucket.py).
 
 [note: checkpoints of compressed shards]
 torch.distributed.checkpoint reshards a DTensor by its elements, but a rank's 8-bit scales
