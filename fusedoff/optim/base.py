@@ -39,10 +39,6 @@ def master_spec(precision: str) -> StateSpec:
     return spec
 
 
-def master_states(states: dict) -> list:
-    """The master weights of a fused call's `states` (whole or split), or [] without."""
-    return next((states[name] for name in MASTER_NAMES if states.get(name)), [])
-
 # [note: who asks whether the step unscales]
 # torch.amp.GradScaler.step reads `_step_supports_amp_scaling`: when true it sets `grad_scale` and
 # `found_inf` on the optimizer and calls step() whatever the gradients hold, and fusedoff's kernels
