@@ -27,7 +27,6 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -36,9 +35,6 @@ from fusedoff import _ext
 from fusedoff.backends import BACKENDS, Backend, backend_named, check_device
 from fusedoff.hyperparameters import AdamHyperparameters, ApolloHyperparameters
 from fusedoff.kernels import codec
-
-if TYPE_CHECKING:  # (the contract's types only: ops import nothing of the engine)
-    from fusedoff.offload.contract import FusedUpdate, Phase, UpdateArgs
 
 __all__ = ["BACKENDS", "APOLLO_PHASES", "APOLLO_NUM_STATS", "increment_steps_", "adam_step_",
            "adam_compressed_step_", "apollo_step_", "apollo_phases", "run_update", "apollo_whole_step_", "encode_8bit",
@@ -272,10 +268,12 @@ def _list_arguments(function: Callable) -> tuple[tuple[str, ...], bool]:
             any(p.name == "phase" and p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters))
 
 
-def run_update(update: FusedUpdate, phase: Phase, args: UpdateArgs) -> None:
-    """Phase `phase` of `update` over the tensors (or ranges of tensors) of `args`: the op `update`
-    names, each of its list arguments taken from `args` by name (params, grads, steps, stats,
-    total_numels, offsets), from the states `update.states` maps to it, or from `update.per_tensor`."""
+def run_update(update, phase, args) -> None:
+    """Phase `phase` of `update` over the tensors (or ranges of tensors) of `args` (the contract's
+    `Phase`, `FusedUpdate` and `UpdateArgs`, fusedoff/offload/contract.py: ops import nothing of the
+    engine, which calls them): the op `update` names, each of its list arguments taken from `args`
+    by name (params, grads, steps, stats, total_numels, offsets), from the states `update.states`
+    maps to it, or from `update.per_tensor`."""
     if update.op not in _UPDATE_ARGUMENTS:
         raise ValueError(f"no fused op named {update.op!r}; the ops are {sorted(_UPDATE_ARGUMENTS)}")
     positional, phased = _UPDATE_ARGUMENTS[update.op]
