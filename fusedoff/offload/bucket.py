@@ -42,13 +42,14 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from fusedoff.offload.contract import StateSpec, UpdateArgs
 from fusedoff.offload.pipeline import StreamPipeline
-from fusedoff.offload.plan import Chunk, ChunkPlan
+from fusedoff.offload.plan import Chunk, ChunkPlan, Piece
 from fusedoff.offload.runtime import Runtime
 from fusedoff.offload.store import HostStateStore
 from fusedoff.sharding import blocks_touched, global_offset, like_param, local_tensor, shard_groups
@@ -77,7 +78,7 @@ class Bucket:
     _flat_params: list[Tensor | None] = field(init=False)
     _flat_states: dict[str, list[Tensor | None]] = field(init=False)
     _resident_calls: dict[tuple, list[tuple[list[int], UpdateArgs]]] = field(init=False)
-    _piece_views: dict[tuple, list[UpdateArgs]] = field(init=False)
+    _piece_views: dict[tuple, list[_PieceViews]] = field(init=False)
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -347,22 +348,23 @@ class Bucket:
         cached = self._piece_views.get(key)
         if cached is None:
             cached = self._piece_views[key] = [
-                (p, _slice(self.flat_param(p.tensor), p.tensor_offset, p.length),
-                 {name: _piece(buf, self.specs[name], p) for name, buf in buffers.items()}) for p in chunk.pieces]
-        by_dtype: dict[torch.dtype, list] = defaultdict(list)
-        for entry in cached:
-            grad = grads.get(entry[0].tensor)
+                _PieceViews(p, _slice(self.flat_param(p.tensor), p.tensor_offset, p.length),
+                            {name: _piece(buf, self.specs[name], p) for name, buf in buffers.items()})
+                for p in chunk.pieces]
+        by_dtype: dict[torch.dtype, list[_PieceViews]] = defaultdict(list)
+        for views in cached:
+            grad = grads.get(views.piece.tensor)
             if grad is not None:
-                by_dtype[grad.dtype].append(entry)
+                by_dtype[grad.dtype].append(views)
         calls = []
         stat_rows = stats.unbind(0) if stats is not None else ()
         for entries in by_dtype.values():
-            pieces = [e[0] for e in entries]
+            pieces = [e.piece for e in entries]
             calls.append(UpdateArgs(
                 tensors=[p.tensor for p in pieces],
-                params=[e[1] for e in entries],
+                params=[e.param for e in entries],
                 grads=[_piece_of(grads[p.tensor], p, self.plan) for p in pieces],
-                states={name: [e[2][name] for e in entries] for name in buffers},
+                states={name: [e.states[name] for e in entries] for name in buffers},
                 steps=[steps[p.tensor] for p in pieces],
                 stats=[stat_rows[p.tensor] for p in pieces] if stats is not None else [],
                 total_numels=[self.params[p.tensor].numel() for p in pieces],
@@ -379,6 +381,14 @@ class Bucket:
         block = self._block
         return [_cut_at_block(args, block, self._block_wise) if any(o % block for o in args.offsets) else args
                 for args in calls]
+
+
+class _PieceViews(NamedTuple):
+    """A chunk piece's views, kept per chunk and buffer set: of its parameter, and of each state's buffer."""
+
+    piece: Piece
+    param: Tensor
+    states: dict[str, Tensor]
 
 
 def _cut_at_block(args: UpdateArgs, block: int, block_wise: set[str]) -> UpdateArgs:

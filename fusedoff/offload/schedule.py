@@ -9,7 +9,7 @@ module is about to read (`wait_for`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -56,15 +56,24 @@ class ForwardSchedule:
             for chunk in own:
                 first = min((order.get(id(bucket.params[p.tensor]), len(order)) for p in chunk.pieces),
                             default=len(order))
-                schedule.append((first, k, chunk.index, chunk))
-        schedule.sort(key=lambda entry: entry[:3])
+                schedule.append(_Scheduled(first, k, chunk.index, chunk))
+        schedule.sort(key=lambda entry: (entry.first_read, entry.bucket, entry.index))
         passes: list[tuple[int, list[Chunk]]] = []
-        for _, k, _, chunk in schedule:  # runs of consecutive chunks of one bucket: one pass each
-            if passes and passes[-1][0] == k:
-                passes[-1][1].append(chunk)
+        for entry in schedule:  # runs of consecutive chunks of one bucket: one pass each
+            if passes and passes[-1][0] == entry.bucket:
+                passes[-1][1].append(entry.chunk)
             else:
-                passes.append((k, [chunk]))
+                passes.append((entry.bucket, [entry.chunk]))
         return passes
+
+
+class _Scheduled(NamedTuple):
+    """A chunk in the forward's order: the first position the forward reads of its parameters."""
+
+    first_read: int
+    bucket: int  # its bucket's index among the step's
+    index: int  # its index in the bucket's plan
+    chunk: Chunk
 
 
 def _chunks_of(params: Sequence[Tensor], buckets) -> list[tuple[Bucket, list[int]]]:
