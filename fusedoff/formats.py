@@ -306,6 +306,17 @@ def stored_form(state: dict, name: str, role: Role) -> StoredForm | None:
     return next((form for form in forms.values() if form.holds(state, name)), None)
 
 
+def reader_of(state: dict, name: str, role: Role) -> StoredForm | None:
+    """The form that reads a loaded state `name` of `state` as fp32: its own, or for a moment of
+    another floating dtype (torch.optim's of fp16 parameters, float64) fp32's, which converts it
+    (None: there is nothing to read)."""
+    form = stored_form(state, name, role)
+    value = state.get(name)
+    if form is None and role is not Role.MASTER_WEIGHT and isinstance(value, Tensor) and value.is_floating_point():
+        return FP32
+    return form
+
+
 def precision_of_dtype(dtype: torch.dtype) -> str | None:
     """The moment precision whose values are stored as `dtype` (None: none is)."""
     return next((p for p, form in MOMENT_FORMS.items() if form.specs("x")[0].dtype == dtype), None)

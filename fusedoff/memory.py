@@ -219,7 +219,7 @@ def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dic
     cls = _CLASSES[optimizer]
     if optimizer != "apollo":
         options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
-    group = cls._default_options(**options)
+    group = cls._default_options(**{"lr": 1e-3, **options})  # (refusing what the class refuses)
     return lambda names: cls._phases(group, names)
 
 

@@ -38,7 +38,7 @@ is exact and quantizing a decoded block gives back its codes and scale, so a che
 where the blocks are the same (the same sharding, or shards on block boundaries in both) continues
 bit for bit; a block that was two parts and is now whole (or the reverse) is quantized once more,
 within the 8-bit bound. The checkpoint costs fp32 bytes for 8-bit moments: the price of resharding
-them without a collective. An empty tensor beside them (optim/adam.py's DECODED_MARK) and their
+them without a collective. An empty tensor beside them (optim/checkpoint.py's DECODED_MARK) and their
 group's ``saved_state_precision`` "fp32" say they are decoded.
 """
 

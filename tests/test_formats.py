@@ -101,3 +101,53 @@ def test_each_refusal_is_the_forms():
         formats.moment_form("int4")
     with pytest.raises(ValueError, match="master_precision must be one of"):
         formats.master_form("bf16")
+
+
+@pytest.mark.parametrize("precision", tuple(formats.MOMENT_FORMS))
+def test_moments_of_another_float_dtype_load_as_their_fp32_values(precision):
+    """torch.optim.AdamW on fp16 parameters keeps fp16 moments: loading its checkpoint equals loading
+    the same moments widened to fp32 first (exact), in every state precision."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300).to(torch.float16))]
+    reference = torch.optim.AdamW(params, lr=1e-2)
+    params[0].grad = torch.randn(300).to(torch.float16)
+    reference.step()
+    saved = reference.state_dict()
+    assert saved["state"][0]["exp_avg"].dtype == torch.float16
+    widened = {**saved, "state": {0: {k: v.float() if k.startswith("exp_avg") else v
+                                      for k, v in saved["state"][0].items()}}}
+    loaded = []
+    for state_dict in (saved, widened):
+        opt = fusedoff.AdamW(params, state_precision=precision, backend="torch")
+        opt.load_state_dict(state_dict)
+        loaded.append(opt.state_dict()["state"][0])
+    assert loaded[0].keys() == loaded[1].keys()
+    for key in loaded[0]:
+        assert torch.equal(loaded[0][key], loaded[1][key]), key
+
+
+def test_a_running_maximum_is_refused_compressed_before_anything_changes():
+    param = torch.nn.Parameter(torch.randn(64))
+    opt = fusedoff.Adam([param], amsgrad=True, backend="torch")
+    param.grad = torch.randn(64)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[param].items()}
+    opt.param_groups[0]["state_precision"] = "bf16"
+    with pytest.raises(ValueError, match="amsgrad keeps fp32 states only"):
+        opt.step()
+    assert {k: (v.dtype, v.clone()) for k, v in opt.state[param].items()}.keys() == before.keys()
+    for key, value in before.items():
+        assert opt.state[param][key].dtype == value.dtype and torch.equal(opt.state[param][key], value), key
+
+
+@pytest.mark.parametrize("optimizer,options", [("apollo", {"rebound": "bogus"}), ("apollo", {"weight_decay": -1}),
+                                               ("adamw", {"eps": -1.0}), ("adamw", {"nonsense": 1})])
+def test_the_memory_report_refuses_what_the_optimizer_refuses(optimizer, options):
+    from fusedoff import memory
+
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    cls = {"adamw": fusedoff.AdamW, "apollo": fusedoff.Apollo}[optimizer]
+    with pytest.raises((ValueError, TypeError)) as refused:
+        cls(params, **{"lr": 1e-3, **options})
+    with pytest.raises(type(refused.value)):
+        memory.predict(params, optimizer=optimizer, options=options)

@@ -124,12 +124,13 @@ class OffloadEngine:
         self.runtimes.step_started()
         placement = self.placement
         placement.forget_groups_from(len(groups))
+        for group in groups:  # (before a group's changed options place its states afresh)
+            rules._check_group_options(group)
         if placement.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
             placement = self.placement
         work = []
         for index, group in enumerate(groups):
-            rules._check_group_options(group)
             for key, (members, sharded) in placement.members(index, group, rules).items():
                 raw = [p.grad for p in members]
                 stepping = [t for t, g in enumerate(raw) if g is not None]

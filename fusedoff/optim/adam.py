@@ -90,6 +90,15 @@ class Adam(FusedOptimizer):
         self._check_options(group)
 
     @classmethod
+    def _default_options(cls, **options) -> dict:
+        options = super()._default_options(**options)
+        check_torch_flags(**{flag: options[flag] for flag in ("foreach", "fused", "capturable", "differentiable")})
+        cls._check_options(options)
+        betas = _check_hyperparameters(*(options[name] for name in ("lr", "betas", "eps", "weight_decay", "foreach",
+                                                                     "capturable")))
+        return {**options, "betas": betas}
+
+    @classmethod
     def _phases(cls, group: dict, names: tuple[str, ...]) -> tuple[Phase, ...]:
         return (Phase("adam", reads=names, writes=names),)
 

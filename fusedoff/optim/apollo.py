@@ -62,28 +62,7 @@ class Apollo(FusedOptimizer):
                  num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32",
                  master_precision: str = "fp32") -> None:
         self._check_state_options({"state_precision": state_precision})
-        if not 0.0 < lr:
-            raise ValueError(f"Invalid learning rate value: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter: {beta}")
-        if rebound not in ("constant", "belief"):
-            raise ValueError(f"Invalid rectify bound: {rebound}")
-        if not 0 <= warmup:
-            raise ValueError(f"Invalid warmup updates: {warmup}")
-        if init_lr is None:
-            init_lr = lr / 1000
-        if not 0.0 <= init_lr <= lr:
-            raise ValueError(f"Invalid initial learning rate: {init_lr}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if weight_decay_type is None:
-            weight_decay_type = default_weight_decay_type(rebound)
-        if weight_decay_type not in ("L2", "decoupled", "stable"):
-            raise ValueError(f"Invalid weight decay type: {weight_decay_type}")
-        defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
-                        weight_decay=weight_decay, weight_decay_type=weight_decay_type)
+        defaults = _checked_defaults(lr, beta, eps, rebound, warmup, init_lr, weight_decay, weight_decay_type)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
                          master_precision=master_precision)
@@ -120,9 +99,9 @@ class Apollo(FusedOptimizer):
     @classmethod
     def _default_options(cls, **options) -> dict:
         options = super()._default_options(**options)
-        if options["weight_decay_type"] is None:
-            options["weight_decay_type"] = default_weight_decay_type(options["rebound"])
-        return options
+        cls._check_state_options(options)
+        hyper = _checked_defaults(*(options[name] for name in _HYPERPARAMETERS))
+        return {**options, **hyper}
 
     def _fused_update(self, group, backend, grad_scale, found_inf, names, params) -> FusedUpdate:
         hyper = ApolloHyperparameters(lr=group["lr"], base_lr=group["base_lr"], init_lr=group["init_lr"],
@@ -144,6 +123,35 @@ class Apollo(FusedOptimizer):
             for pid, state in state_dict["state"].items()
         }
         return state_dict
+
+
+_HYPERPARAMETERS = ("lr", "beta", "eps", "rebound", "warmup", "init_lr", "weight_decay", "weight_decay_type")
+
+
+def _checked_defaults(lr, beta, eps, rebound, warmup, init_lr, weight_decay, weight_decay_type) -> dict:
+    """The reference's checks, in its order and with its messages; the group's hyperparameters."""
+    if not 0.0 < lr:
+        raise ValueError(f"Invalid learning rate value: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"Invalid beta parameter: {beta}")
+    if rebound not in ("constant", "belief"):
+        raise ValueError(f"Invalid rectify bound: {rebound}")
+    if not 0 <= warmup:
+        raise ValueError(f"Invalid warmup updates: {warmup}")
+    if init_lr is None:
+        init_lr = lr / 1000
+    if not 0.0 <= init_lr <= lr:
+        raise ValueError(f"Invalid initial learning rate: {init_lr}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if weight_decay_type is None:
+        weight_decay_type = default_weight_decay_type(rebound)
+    if weight_decay_type not in ("L2", "decoupled", "stable"):
+        raise ValueError(f"Invalid weight decay type: {weight_decay_type}")
+    return dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr, base_lr=lr,
+                weight_decay=weight_decay, weight_decay_type=weight_decay_type)
 
 
 def default_weight_decay_type(rebound: str) -> str:

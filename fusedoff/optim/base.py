@@ -127,8 +127,9 @@ class FusedOptimizer(Optimizer):
     def _default_options(cls, **options) -> dict:
         """A param group's options with `options` and this class's defaults for the rest (what
         ``fusedoff.memory.predict`` asks the class without making an optimizer)."""
-        defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
+        signature = inspect.signature(cls.__init__)
+        signature.bind(None, (), **options)  # an option the class does not take: its constructor's TypeError
+        defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
         return {**defaults, **options}
 
     # ---- stored forms (fusedoff/formats.py) ------------------------------------------------------
@@ -139,6 +140,8 @@ class FusedOptimizer(Optimizer):
         ``master_precision``) for fp16/bf16 parameters unless ``master_weights=False``."""
         moments = formats.moment_form(group.get("state_precision", "fp32"))
         forms = {name: (role, moments) for name, role in cls._state_roles(group).items()}
+        for role, form in forms.values():
+            form.refuse(role, "state_precision")
         if keeps_master(dtype, group["master_weights"]):
             forms[MASTER] = (Role.MASTER_WEIGHT, formats.master_form(group.get("master_precision", "fp32")))
         return forms
@@ -148,7 +151,10 @@ class FusedOptimizer(Optimizer):
         """The tensors a parameter's states are stored in, besides ``step`` and master weights: each
         state's values first, then what their forms keep beside them (8-bit block scales)."""
         moments = formats.moment_form(group.get("state_precision", "fp32"))
-        per_state = [moments.specs(name) for name in cls._state_roles(group)]
+        roles = cls._state_roles(group)
+        for role in roles.values():
+            moments.refuse(role, "state_precision")
+        per_state = [moments.specs(name) for name in roles]
         return tuple(specs[k] for k in range(max(map(len, per_state), default=0)) for specs in per_state
                      if k < len(specs))
 

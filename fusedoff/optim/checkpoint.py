@@ -140,10 +140,10 @@ def loaded_states(optimizer, group: dict, param: Tensor, state: dict) -> dict:
         out = {k: v for k, v in out.items() if k not in formats.MASTER_KEYS}
     kept = set()
     for name, (role, form) in forms.items():
-        found = formats.stored_form(state, name, role)
+        found = formats.reader_of(state, name, role)
         if found is None:
             continue
-        if found is not form or not form.keeps_loaded(state, name, param):
+        if found is not form or not form.holds(state, name) or not form.keeps_loaded(state, name, param):
             fp32 = found.to_fp32(state, name, role, param)
             for key in found.keys(name):
                 out.pop(key, None)
@@ -158,8 +158,8 @@ def _decoded_moments(state: dict, param: Tensor, roles: dict[str, Role]) -> dict
     as fp32, their block scales left out: exactly their values."""
     state = dict(state)
     for name, role in roles.items():
-        form = formats.stored_form(state, name, role)
-        if form is not None and form is not formats.FP32:
+        form = formats.reader_of(state, name, role)
+        if form is not None and not (form is formats.FP32 and form.holds(state, name)):
             fp32 = like_param(form.to_fp32(state, name, role, param), param)  # a DTensor where sharded
             for key in form.keys(name):
                 state.pop(key, None)
