@@ -46,7 +46,8 @@ test-oldest: $(STAMP) $(OLDEST)/bin/python
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
 	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml README.md $(OLDEST_SUITE)/
 	# (the training-library integrations run on the pinned torch only: their versions follow it)
-	# (the emulated CUDA kernels are make test's: they do not depend on torch's version)
+	# (the emulated CUDA kernels are make test's: they do not depend on torch's version; so are the
+	#  exhaustive runs, the other tests' checks repeated over a large space, such as every fp32 bit pattern)
 	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
 		--ignore=tests/test_integrations.py -m "not emulated and not exhaustive" $(ARGS)
 

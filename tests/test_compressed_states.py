@@ -99,6 +99,7 @@ def test_codes_round_to_the_nearest_grid_value_ties_to_even(signed):
         assert torch.equal(codec.encode_signed(-q, torch.ones_like(q)).long(), codes | 0x80)
 
 
+@pytest.mark.exhaustive
 def test_the_host_kernels_avx512_codec_gives_the_definitions_codes_for_every_value():
     """csrc/cpu/state_codec_avx512.h computes the codes in float arithmetic from tables derived from
     the maps ([note: the codec as float arithmetic]); over every fp32 bit pattern and every code,

@@ -32,6 +32,7 @@ PLACEMENTS = ("resident", "streamed", "mixed", "simulated")
 STEPS = 4
 
 
+@pytest.mark.exhaustive
 def test_the_split_encoding_is_exact_for_every_fp32_value():
     """master.h's functions over all 2^32 bit patterns (two salts for split8): the split master
     comes back bit for bit, split8's rounding comes back and stays within 256 units, and the
@@ -43,6 +44,7 @@ def test_the_split_encoding_is_exact_for_every_fp32_value():
         assert (split, split8, split8_bound, rounding) == (0, 0, 0, 0)
 
 
+@pytest.mark.exhaustive
 def test_an_fp32_master_is_kept_beside_exactly_its_nearest_roundings():
     """master.h's ``master_or_param`` over all 2^32 fp32 masters, each beside the 4 bf16 params
     around its upper half: the master is kept where the param is one of its nearest roundings
@@ -52,6 +54,7 @@ def test_an_fp32_master_is_kept_beside_exactly_its_nearest_roundings():
     assert _C.testing.written_param_selftest(torch.get_num_threads()) == 0
 
 
+@pytest.mark.exhaustive
 def test_the_host_kernels_16_lane_masters_give_the_definitions_bits_for_every_fp32_value():
     """The AVX-512 host kernels split and join masters 16 at a time (csrc/cpu/master_lanes.h, the same
     templates of master.h on vectors): over all 2^32 masters, the parameter, the low bits (split and

@@ -1,7 +1,7 @@
 """Runs the `emulated` tests under ThreadSanitizer and under AddressSanitizer + UBSan.
 
     python tools/sanitize_emulation.py [--sanitizer thread|address|all] [--build-dir DIR]
-                                       [--planted | --no-planted] [-- PYTEST ARGS]
+                                       [--planted | --no-planted] [--workers N] [-- PYTEST ARGS]
 
 For each sanitizer it builds fusedoff._C_emulated (the CUDA kernels on the host, csrc/emulation)
 instrumented by it into DIR/<sanitizer>, then runs tests/test_cuda_emulation.py (every kernel in
@@ -17,7 +17,8 @@ kernels with one bug planted and expects its sanitizer to report it on a few tes
            thread 0 writes to shared memory, unordered (a data race)
   address  the Adam kernel's scalar tail reads one element past its chunk (past the tensor)
 A planted bug that goes unreported fails the run. Exit status 0 only if every run is clean and
-every planted bug was reported. The two sanitizers run side by side. CI runs it (.ci/run).
+every planted bug was reported. The builds run side by side, then every run (each sanitizer's tests
+split in --workers shards, each planted bug) as a job of its own. CI runs it (.ci/run).
 
 The builds run in a child process with the runtime preloaded (it loads what it built), its
 compilers without it. PYTHON: the interpreter to use (default: this one).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import os
 import shutil
 import subprocess
@@ -121,7 +123,7 @@ def build(sanitizer: str, csrc: Path, out: Path, python: str, only: str = "", ob
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("_C_emulated*.so"):  # emulator.o is outside ninja's view: always relink
         stale.unlink()
-    env = sanitized_env(sanitizer, MAX_JOBS=os.environ.get("MAX_JOBS", "1"))  # one core each: they run side by side
+    env = sanitized_env(sanitizer, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)))
     proc = subprocess.run([python, "-c", _BUILD_CHILD, str(REPO), sanitizer, str(csrc), str(out), only,
                            str(objects_from or "")], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -154,37 +156,46 @@ def planted_copy(sanitizer: str, root: Path) -> Path:
     return csrc
 
 
-def sanitize(sanitizer: str, args, python: str, pytest_args: list[str]) -> tuple[list[str], list[str]]:
-    """One sanitizer's runs: (its report lines, the runs that failed)."""
-    lines, failures = [], []
+def collected(sanitizer: str, module: Path, python: str, pytest_args: list[str]) -> list[str]:
+    """The test ids that `pytest_args` select, collected as the sanitized run would collect them."""
+    env = sanitized_env(sanitizer, FUSEDOFF_EMULATED_EXTENSION=str(module), FUSEDOFF_REQUIRE_EMULATION="1")
+    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *pytest_args],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if proc.returncode != 0 or not ids:
+        sys.stdout.write(proc.stdout[-5000:] + proc.stderr[-5000:])
+        raise SystemExit(f"sanitize_emulation: collecting the {sanitizer} run's tests failed (exit {proc.returncode})")
+    return ids
+
+
+def tests_job(sanitizer: str, module: Path, python: str, pytest_args: list[str], log: Path, label: str):
+    """A run of the clean build's tests: (report lines, failed run or None)."""
     start = time.perf_counter()
-    out = args.build_dir / sanitizer
-    module = build(sanitizer, REPO / "csrc", out, python)
-    built = time.perf_counter()
-    code, text = run_tests(sanitizer, module, python, pytest_args, out / "pytest.log")
+    code, text = run_tests(sanitizer, module, python, pytest_args, log)
     tail = "\n".join(text.strip().splitlines()[-2:])
     verdict = "clean" if code == 0 else f"FAILED (exit {code})"
-    lines.append(f"[{sanitizer}] build {built - start:.0f} s, tests {time.perf_counter() - built:.0f} s: {verdict}\n{tail}")
+    lines = [f"[{sanitizer}] {label}: {time.perf_counter() - start:.0f} s, {verdict}\n{tail}"]
     if code != 0:
-        failures.append(sanitizer)
         lines.append(text[-20000:])
-    if not args.planted:
-        return lines, failures
+    return lines, None if code == 0 else f"{sanitizer} {label}"
+
+
+def planted_job(sanitizer: str, clean_build: Path, args, python: str):
+    """Builds the planted bug beside the clean build's objects and expects its sanitizer to report it."""
     start = time.perf_counter()
     planted = args.build_dir / f"{sanitizer}-planted"
     module = build(sanitizer, planted_copy(sanitizer, planted), planted / "build", python, only=PLANTED_SOURCE,
-                   objects_from=out)
+                   objects_from=clean_build)
     code, text = run_tests(sanitizer, module, python, [PLANTED[sanitizer][3], "-m", "emulated", "-x"],
                            planted / "pytest.log")
     caught = code != 0 and REPORTS[sanitizer] in text
-    lines.append(f"[{sanitizer}] planted bug ({PLANTED[sanitizer][0]}): "
-                 f"{'reported' if caught else 'NOT REPORTED'} ({time.perf_counter() - start:.0f} s)")
+    lines = [f"[{sanitizer}] planted bug ({PLANTED[sanitizer][0]}): "
+             f"{'reported' if caught else 'NOT REPORTED'} ({time.perf_counter() - start:.0f} s)"]
     if caught:
         lines.append("    " + "\n    ".join(text[text.index(REPORTS[sanitizer]):].splitlines()[:6]))
     else:
-        failures.append(f"{sanitizer}-planted")
         lines.append(text[-5000:])
-    return lines, failures
+    return lines, None if caught else f"{sanitizer}-planted"
 
 
 def main() -> int:
@@ -192,21 +203,43 @@ def main() -> int:
     parser.add_argument("--sanitizer", choices=[*RUNTIMES, "all"], default="all")
     parser.add_argument("--build-dir", type=Path, default=REPO / "build" / "emulation-sanitized")
     parser.add_argument("--planted", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="runs side by side after the builds (default: the CPUs)")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the emulation tests)")
     args = parser.parse_args()
     python = os.environ.get("PYTHON", sys.executable)
     sanitizers = list(RUNTIMES) if args.sanitizer == "all" else [args.sanitizer]
     pytest_args = args.pytest_args or ["tests/test_cuda_emulation.py"]
-    # The sanitizers side by side: each run is one process (a build, then a single-threaded pytest).
+    workers = max(1, args.workers)
+    # Two phases, each keeping every core busy: the builds side by side (ninja's jobs share the cores),
+    # then every run as a job of its own, longest first: a sanitizer's tests in `workers` shards (the
+    # slowest sanitizer, ASan, dominates), the planted bugs (a one-file build and a few tests each).
+    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(sanitizers)) as pool:
-        results = list(pool.map(lambda s: sanitize(s, args, python, pytest_args), sanitizers))
-    failures = [f for _, fails in results for f in fails]
-    for lines, _ in results:
-        print("\n".join(lines), flush=True)
-    print(f"sanitize_emulation: {len(sanitizers) * (2 if args.planted else 1) - len(failures)} passed, "
-          f"{len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
+        modules = dict(zip(sanitizers, pool.map(lambda s: build(s, REPO / "csrc", args.build_dir / s, python),
+                                                sanitizers)))
+    lines = [f"builds: {time.perf_counter() - start:.0f} s ({', '.join(sanitizers)} side by side)"]
+    jobs = []
+    for sanitizer in sanitizers:
+        ids = collected(sanitizer, modules[sanitizer], python, pytest_args)
+        shards = [ids[i::workers] for i in range(min(workers, len(ids)))]
+        for i, shard in enumerate(shards):
+            label = f"tests {i + 1} of {len(shards)} ({len(shard)})"
+            log = args.build_dir / sanitizer / f"pytest-{i + 1}.log"
+            jobs.append(functools.partial(tests_job, sanitizer, modules[sanitizer], python, shard, log, label))
+        if args.planted:
+            jobs.append(functools.partial(planted_job, sanitizer, args.build_dir / sanitizer, args, python))
+    # ASan's jobs first: they are the long ones.
+    jobs.sort(key=lambda job: job.args[0] != "address")
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda job: job(), jobs))
+    failures = [failed for _, failed in results if failed]
+    print("\n".join(lines + [line for job_lines, _ in results for line in job_lines]), flush=True)
+    runs = len(sanitizers) * (2 if args.planted else 1)
+    failed_runs = {f.split(" ")[0] for f in failures}
+    print(f"sanitize_emulation: {runs - len(failed_runs)} passed, {len(failed_runs)} failed"
+          + (f": {', '.join(failures)}" if failures else "") + f" ({time.perf_counter() - start:.0f} s)")
     return 1 if failures else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
