@@ -257,13 +257,20 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def chunk_layout(numels: Sequence[int], chunk_size: int, align: int = ALIGN_ELEMENTS) -> list[tuple[int, bool]]:
-    """(elements, holds whole tensors only) per chunk of the streamed flat layout, each tensor starting
-    on a multiple of `align` elements (`chunk_size` a multiple of it)."""
+def _flat_offsets(numels: Sequence[int], align: int) -> tuple[list[int], int]:
+    """Each tensor's first element in the streamed flat layout (each on a multiple of `align`
+    elements), and the layout's length."""
     offsets, flat = [], 0
     for n in numels:
         offsets.append(flat)
         flat = _round_up(flat + n, align)
+    return offsets, flat
+
+
+def chunk_layout(numels: Sequence[int], chunk_size: int, align: int = ALIGN_ELEMENTS) -> list[tuple[int, bool]]:
+    """(elements, holds whole tensors only) per chunk of the streamed flat layout, each tensor starting
+    on a multiple of `align` elements (`chunk_size` a multiple of it)."""
+    offsets, flat = _flat_offsets(numels, align)
     chunks = []
     for begin in range(0, flat, chunk_size):
         end = min(begin + chunk_size, flat)
@@ -323,7 +330,7 @@ def stream_host_bytes(optimizer: str, numels: Sequence[int], precision: Precisio
     with 8-bit states)."""
     stored = stored_states(optimizer, precision, amsgrad, state)
     align = max(ALIGN_ELEMENTS, state.block)
-    flat = sum(n for n, _ in chunk_layout(numels, align, align))
+    _, flat = _flat_offsets(numels, align)
     return sum(size * flat // block for size, block in stored.values())
 
 
