@@ -21,9 +21,11 @@ busiest one (a documented simple model, not a schedule):
   device  the bytes the device kernel reads and writes (resident and streamed elements) / the device
           memory bandwidth it reaches;
   host    the host kernel over the host-computed elements: elements / its measured elements per second
-          where the rates have one for the setup, and its bytes / host memory bandwidth where they give
-          one (the larger of the two where both). With ``Rates.link_in_host_memory`` the bytes the link
-          moves into and out of host memory count against the host memory bandwidth too.
+          where the rates have one for the setup, else its bytes / the host memory bandwidth. With
+          ``Rates.link_in_host_memory`` the bytes the link moves into and out of host memory count
+          against that bandwidth too, beside the kernel's bytes (off by default: the simple model
+          leaves the copies' share of host memory out, which flatters the host share where host
+          memory is not much faster than the link).
 
 Left out: the pipeline's fill and drain (one chunk each way), per-call host costs, the forward that
 overlapped steps hide under, and the copies' and kernels' contention for device memory. The timed
@@ -280,7 +282,11 @@ def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, 
     if host and rate is None and rates.host_memory is None:
         raise ValueError(f"rates {rates.name!r} know neither the host kernel's rate for {setup.label} "
                          "nor the host's memory bandwidth")
-    in_host_memory = host * b.kernel + ((h2d + d2h) if rates.link_in_host_memory else 0.0)
+    in_host_memory = 0.0
+    if rates.link_in_host_memory:
+        in_host_memory = host * b.kernel + h2d + d2h
+    elif rate is None:
+        in_host_memory = host * b.kernel
     terms = {"h2d": h2d / rates.h2d, "d2h": d2h / rates.d2h, "both": (h2d + d2h) / rates.both,
              "device": (resident + streamed) * b.kernel / rates.device_memory,
              "host kernel": host / rate if rate else 0.0,
