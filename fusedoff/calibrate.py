@@ -12,7 +12,9 @@ GPU (only where ``torch.cuda.is_available()``): pinned host -> device and device
 at once on two streams, and the device kernel's bandwidth (a resident fused AdamW step on bf16
 parameters with fp32 states and masters, its bytes per element from the cost model over its time).
 
-Timing: a warm-up, then the median of `repeats` timed calls.
+Timing: a warm-up, then the median of `repeats` timed calls. Sizes are several times a server's
+last-level cache (this project's CI machine has 300 MiB of L3): 32M elements per kernel step (about
+900 MB of state, parameter and gradient at 28 bytes per element), 1 GiB per memory pass.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from fusedoff import costs
 
+NUMEL = 32 * 2**20
 # The setups whose host kernel is measured: (optimizer, state precision, master precision) on bf16
 # parameters (Adam and AdamW run one kernel: AdamW stands for both).
 HOST_SETUPS = tuple([("adamw", state, master) for state in costs.STATE_PRECISIONS for master in costs.MASTER_PRECISIONS]
@@ -102,14 +105,14 @@ def _step_seconds(optimizer: str, state: str, master: str, numel: int, repeats: 
     return _median_seconds(opt.step, repeats, warmup, sync)
 
 
-def measure_host_kernel(threads: int, numel: int = 4 * 2**20, repeats: int = 7, warmup: int = 2,
+def measure_host_kernel(threads: int, numel: int = NUMEL, repeats: int = 7, warmup: int = 2,
                         setups=HOST_SETUPS) -> dict[tuple[str, str, str], float]:
     """Elements per second of the host kernel's step for each (optimizer, state, master) of `setups`."""
     with _threads(threads):
         return {setup: numel / _step_seconds(*setup, numel, repeats, warmup) for setup in setups}
 
 
-def measure_host_memory(threads: int, nbytes: int = 2**28, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
+def measure_host_memory(threads: int, nbytes: int = 2**30, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
     """Bytes read + written per second by a large copy between two host tensors, and by an in-place
     pass over one (``x.mul_(1.0)``)."""
     src = torch.ones(nbytes // 4)
@@ -150,7 +153,7 @@ def measure_device_kernel(numel: int = 2**28, repeats: int = 7, warmup: int = 2)
     return numel * costs.element_bytes(setup).kernel / seconds
 
 
-def measure(threads: int | None = None, *, numel: int = 4 * 2**20, repeats: int = 7, setups=HOST_SETUPS,
+def measure(threads: int | None = None, *, numel: int = NUMEL, repeats: int = 7, setups=HOST_SETUPS,
             gpu: bool | None = None) -> Calibration:
     """The calibration of this machine: the host always, the link and the device where there is a GPU
     (`gpu`: None asks torch)."""

@@ -80,6 +80,7 @@ class Setup:
             raise ValueError(f"{self.param_dtype} parameters keep no master weights: master_precision='none'")
         if self.master_precision != NO_MASTER:
             formats.check_master_param(self.master_precision, self.param_dtype)
+        _specs_and_phases(self)  # what the optimizer class refuses (Apollo's compressed states)
 
     @property
     def grad(self) -> torch.dtype:

@@ -46,7 +46,7 @@ def _positive(text: str, units: dict[str, float], what: str) -> int:
                          f"got {text!r}")
     value = float(match.group(1)) * units[unit]
     if not math.isfinite(value) or round(value) < 1:
-        raise ValueError(f"{what} must be positive, got {text!r}")
+        raise ValueError(f"{what} must be positive and finite, got {text!r}")
     return round(value)
 
 
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     grads = args.grad_dtype or args.param_dtype
-    print(f"{params / 1e9:.2f}B parameters ({args.param_dtype} parameters, {grads} gradients), {args.optimizer}, "
+    print(f"{params:,} parameters ({params / 1e9:.2f}B; {args.param_dtype} parameters, {grads} gradients), {args.optimizer}, "
           f"GPU memory {gpu_memory / 1e9:.1f} GB" + (f" ({reserve / 1e9:.1f} GB reserved)" if reserve else "")
           + (f", host memory {host_memory / 1e9:.1f} GB" if host_memory else ""))
     print(f"rates {rates.name}: link {rates.h2d / 1e9:.0f}/{rates.d2h / 1e9:.0f} GB/s each way, {rates.both / 1e9:.0f} "

@@ -1,0 +1,247 @@
+"""The step's cost model (fusedoff/costs.py), its calibration (fusedoff/calibrate.py) and the planner
+(`python -m fusedoff.plan`): bytes against hand counts from the stored forms' definitions, seconds
+against hand computations, the best host share against a brute-force search, the command's table
+and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fusedoff import calibrate, costs
+from fusedoff import plan as planner
+
+BF16 = torch.bfloat16
+
+# Per element of bf16 parameters and gradients, written by hand from the forms' definitions (fp32
+# moments 4 bytes each, bf16 2, 8-bit 1 code + one fp32 scale per 256 elements; an fp32 master 4,
+# split 2 low bytes, split8 1): (states, master, streamed each way, kernel read + written). The
+# kernel reads the gradient (2), the states and the master, and the parameter where no whole fp32
+# master stands for it; it writes the states, the master and the parameter (2).
+SCALES = 2 * 4 / 256  # two 8-bit moments' fp32 scales per element
+ADAMW_BYTES = {
+    ("fp32", "fp32"): (8, 4, 12, 2 + 12 + 12 + 2),
+    ("fp32", "split"): (8, 2, 10, 2 + 2 + 10 + 10 + 2),
+    ("fp32", "split8"): (8, 1, 9, 2 + 2 + 9 + 9 + 2),
+    ("fp32", "none"): (8, 0, 8, 2 + 2 + 8 + 8 + 2),
+    ("bf16", "fp32"): (4, 4, 8, 2 + 8 + 8 + 2),
+    ("bf16", "split"): (4, 2, 6, 2 + 2 + 6 + 6 + 2),
+    ("bf16", "none"): (4, 0, 4, 2 + 2 + 4 + 4 + 2),
+    ("8bit", "fp32"): (2 + SCALES, 4, 6 + SCALES, 2 + 2 * (6 + SCALES) + 2),
+    ("8bit", "split8"): (2 + SCALES, 1, 3 + SCALES, 2 + 2 + 2 * (3 + SCALES) + 2),
+}
+
+
+@pytest.mark.parametrize("state,master", list(ADAMW_BYTES), ids=[f"{s}-{m}" for s, m in ADAMW_BYTES])
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
+def test_bytes_per_element_are_the_forms_sizes(optimizer, state, master):
+    states, master_bytes, streamed, kernel = ADAMW_BYTES[state, master]
+    b = costs.element_bytes(costs.Setup(optimizer, BF16, None, state, master))
+    assert (b.states, b.master, b.stream_h2d, b.stream_d2h, b.kernel) == pytest.approx(
+        (states, master_bytes, streamed, streamed, kernel), abs=1e-12)
+    assert (b.param, b.grad, b.host_h2d, b.host_d2h) == (2, 2, 2, 2)  # host-computed: param up, grad down
+
+
+def test_apollo_bytes_count_each_phase():
+    """Apollo's defaults (constant rebound, no weight decay): a reduction over the three fp32 moments,
+    then the update of the moments and the master. A streamed tensor spanning chunks copies in what
+    each phase reads (12, then 16) and out what it writes (16)."""
+    b = costs.element_bytes(costs.Setup("apollo", BF16, None, "fp32", "fp32"))
+    assert (b.states, b.master, b.stream_h2d, b.stream_d2h) == (12, 4, 12 + 16, 16)
+    assert b.kernel == (2 + 12) + (2 + 16 + 16) + 2
+
+
+def test_fp32_parameters_keep_no_master_and_read_and_write_themselves():
+    b = costs.element_bytes(costs.Setup("adamw", torch.float32, None, "fp32", "none"))
+    assert (b.states, b.master, b.kernel) == (8, 0, 4 + 8 + 4 + 8 + 4)
+    with pytest.raises(ValueError, match="keep no master"):
+        costs.Setup("adamw", torch.float32, None, "fp32", "fp32")
+    with pytest.raises(ValueError, match="bfloat16"):
+        costs.Setup("adamw", torch.float16, None, "fp32", "split")
+    with pytest.raises(ValueError, match="fp32 states only"):
+        costs.element_bytes(costs.Setup("apollo", BF16, None, "bf16", "fp32"))
+
+
+def test_seven_billion_parameters_move_and_hold_the_published_bytes():
+    """The issue's case: fp32 states and masters, bf16 parameters and gradients, 7e9 elements."""
+    setup = costs.Setup()
+    rates = costs.preset("h100-pcie5")
+    n = 7 * 10**9
+    streamed = costs.predict_step(setup, rates, n)
+    assert (streamed.h2d_bytes, streamed.d2h_bytes, streamed.host_bytes) == (12 * n, 12 * n, 12 * n)
+    buffers = 2 * 3 * 4 * 2**22  # two buffer sets of three fp32 states (m, v, master) of a 4M-element chunk
+    assert streamed.device_bytes == 4 * n + buffers
+    resident = costs.predict_step(setup, rates, n, resident=n)
+    assert (resident.h2d_bytes, resident.host_bytes, resident.device_bytes) == (0, 0, 16 * n)
+
+
+def test_step_time_against_a_hand_computation():
+    rates = costs.Rates("hand", h2d=10.0, d2h=20.0, both=25.0, device_memory=100.0, host_memory=50.0, host_cores=1)
+    p = costs.predict_step(costs.Setup(), rates, 100, resident=20, host_share=0.25)
+    assert (p.resident, p.streamed, p.host) == (20, 60, 20)
+    # h2d: 60 streamed x 12 + 20 parameters x 2; d2h the same (gradients down)
+    assert (p.h2d_bytes, p.d2h_bytes) == (760, 760)
+    assert p.terms == pytest.approx({"h2d": 76.0, "d2h": 38.0, "both": 60.8, "device": 80 * 28 / 100,
+                                     "host kernel": 0.0, "host memory": 20 * 28 / 50})
+    assert (p.step_s, p.bound) == (pytest.approx(76.0), "link")
+    assert p.host_bytes == 80 * 12 + 20 * (2 + 2)
+    # A measured host kernel rate replaces the bytes at host memory bandwidth ...
+    measured = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, 1, host_kernel={("adamw", "fp32", "fp32"): 0.25})
+    p = costs.predict_step(costs.Setup(), measured, 100, resident=20, host_share=0.25)
+    assert (p.host_s, p.step_s, p.bound) == (pytest.approx(80.0), pytest.approx(80.0), "host")
+    # ... and with the link's bytes charged to host memory, both count there.
+    charged = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, 1, link_in_host_memory=True)
+    p = costs.predict_step(costs.Setup(), charged, 100, resident=20, host_share=0.25)
+    assert p.terms["host memory"] == pytest.approx((20 * 28 + 1520) / 50)
+
+
+@pytest.mark.parametrize("rates", ["h100-pcie5", "workstation-pcie4", "charged", "slow host kernel"])
+@pytest.mark.parametrize("state,master", [("fp32", "fp32"), ("bf16", "split"), ("8bit", "none")])
+@pytest.mark.parametrize("resident_share", [0.0, 0.3])
+def test_best_host_share_is_the_brute_force_minimum(rates, state, master, resident_share):
+    if rates == "charged":
+        rates = costs.Rates("charged", 25e9, 25e9, 45e9, 1e12, 120e9, 16, link_in_host_memory=True)
+    elif rates == "slow host kernel":
+        rates = costs.Rates("slow", 55e9, 55e9, 100e9, 3e12, None, 14, host_kernel={("adamw", state, master): 2e9})
+    else:
+        rates = costs.preset(rates)
+    setup = costs.Setup("adamw", BF16, None, state, master)
+    n = 10**9
+    resident = int(resident_share * n)
+    best = costs.best_host_share(setup, rates, n, resident=resident)
+    brute = min(costs.predict_step(setup, rates, n, resident=resident, host_share=k / 2000).step_s for k in range(2001))
+    assert best.step_s <= brute * (1 + 1e-9)
+    assert best.step_s >= brute * (1 - 1e-3)  # the grid's spacing from the exact minimum
+    assert best.resident == resident and best.streamed + best.host == n - resident
+
+
+def test_best_host_share_never_takes_resident_states():
+    rates = costs.preset("workstation-pcie4")
+    n = 10**6
+    everything = costs.best_host_share(costs.Setup(), rates, n, resident=n)
+    assert (everything.resident, everything.host, everything.host_share) == (n, 0, 0.0)
+    some = costs.best_host_share(costs.Setup(), rates, n, resident=n // 2)
+    assert some.resident == n // 2 and 0 < some.host < n // 2
+
+
+def test_the_issues_acceptance_at_7b():
+    """fp32 states and masters, bf16 parameters and gradients, 7B: the auto share's step at most 0.8x
+    streaming only on the H100 preset, 0.6x on the workstation preset (a prediction at assumed rates)."""
+    n = 7 * 10**9
+    for name, most in (("h100-pcie5", 0.8), ("workstation-pcie4", 0.6)):
+        rates = costs.preset(name)
+        ratio = costs.best_host_share(costs.Setup(), rates, n).step_s / costs.predict_step(costs.Setup(), rates, n).step_s
+        assert ratio <= most, (name, ratio)
+
+
+def test_calibration_fills_what_it_did_not_measure_from_a_preset():
+    base = costs.preset("h100-pcie5")
+    measured = calibrate.Calibration(threads=3, numel=1, host_kernel={("adamw", "fp32", "fp32"): 7e8},
+                                     host_copy=4e9, host_inplace=6e9).rates(base)
+    assert measured.name == "measured host + h100-pcie5"
+    assert (measured.h2d, measured.both, measured.device_memory) == (base.h2d, base.both, base.device_memory)
+    assert (measured.host_memory, measured.host_threads, measured.host_elements_per_s(costs.Setup())) == (6e9, 3, 7e8)
+    assert measured.host_elements_per_s(costs.Setup("adam")) == 7e8  # Adam runs AdamW's kernel
+
+
+def test_calibration_times_the_host_kernel():
+    rates = calibrate.measure_host_kernel(1, numel=4096, repeats=1, warmup=0, setups=[("adamw", "8bit", "split8")])
+    assert list(rates) == [("adamw", "8bit", "split8")] and rates["adamw", "8bit", "split8"] > 0
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+# hidden 64, 2 layers, MLP 128, vocab 100, 4 heads of 16, 2 key/value heads: embeddings 100 x 64 twice
+# (untied); per layer q 64 x 64, k and v 64 x 32 each, o 64 x 64, gate/up/down 3 x 64 x 128, 2 norms of 64;
+# the final norm 64.
+TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=100, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False, model_type="llama")
+TINY_PARAMS = 2 * 6400 + 2 * (4096 + 2 * 2048 + 4096 + 3 * 8192 + 2 * 64) + 64
+
+
+def write_config(tmp_path, **changes):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, **changes}))
+    return path
+
+
+def test_config_parameter_count(tmp_path):
+    assert planner.config_params(write_config(tmp_path)) == TINY_PARAMS == 86848
+    assert planner.config_params(write_config(tmp_path, tie_word_embeddings=True)) == TINY_PARAMS - 6400
+    assert planner.config_params(write_config(tmp_path, attention_bias=True)) == TINY_PARAMS + 2 * (64 + 2 * 32 + 64)
+
+
+def table_rows(out: str) -> list[list[str]]:
+    lines = [line for line in out.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_the_command_on_a_config(tmp_path, capsys):
+    planner.main(["--config", str(write_config(tmp_path)), "--rates", "workstation-pcie4"])
+    out = capsys.readouterr().out
+    assert "86,848 parameters" in out
+    rows = table_rows(out)
+    assert len(rows) == 3 * 4 * 3  # states x masters x placements
+    chosen = [row for row in rows if row[0] == "*"]
+    # Everything fits in 80 GB: resident is fastest, for the default precisions.
+    assert [row[1:4] for row in chosen] == [["fp32", "fp32", "resident"]]
+    assert chosen[0][-1] == "yes"
+
+
+def test_the_command_chooses_the_host_share_when_states_do_not_fit(capsys):
+    planner.main(["--params", "7e9", "--rates", "h100-pcie5", "--gpu-memory", "80GB"])
+    out = capsys.readouterr().out
+    rows = {tuple(row[1:4]): row for row in table_rows(out)}
+    assert rows["fp32", "fp32", "resident"][-1] == "no"  # 16 bytes x 7e9 = 112 GB
+    chosen = [row for row in table_rows(out) if row[0] == "*"]
+    assert [row[1:4] for row in chosen] == [["fp32", "fp32", "host share"]]
+    assert float(chosen[0][9]) < float(rows["fp32", "fp32", "streamed"][9])  # step ms
+
+
+def test_the_command_says_when_nothing_fits(tmp_path, capsys):
+    planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "100KB", "--state-precision", "bf16"])
+    out = capsys.readouterr().out
+    assert not [row for row in table_rows(out) if row[0] == "*"]
+    assert "nothing fits with bf16 states" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "0"], "must be positive"),
+    (["--params=-7e9"], "positive number"),
+    (["--params", "seven"], "positive number"),
+    (["--params", "7X"], "positive number"),
+    (["--params", "1e400"], "must be positive"),
+    (["--params", "7e9", "--gpu-memory", "80 parsecs"], "memory size"),
+    (["--params", "7e9", "--gpu-memory", "0GB"], "must be positive"),
+    (["--params", "7e9", "--host-memory=-1TB"], "memory size"),
+    (["--params", "7e9", "--threads", "0", "--rates", "measured"], "at least 1"),
+    (["--params", "7e9", "--param-dtype", "fp32", "--master-precision", "fp32"], "keep no master"),
+    (["--params", "7e9", "--optimizer", "apollo", "--state-precision", "8bit"], "fp32 states only"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        planner.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "one JSON object"),
+    (json.dumps({k: v for k, v in TINY.items() if k != "intermediate_size"}), "no intermediate_size"),
+    (json.dumps({**TINY, "hidden_size": -64}), "hidden_size must be a positive integer"),
+    (json.dumps({**TINY, "num_hidden_layers": "2"}), "num_hidden_layers must be a positive integer"),
+    (json.dumps({**TINY, "num_local_experts": 8}), "mixture of experts"),
+    (json.dumps({**TINY, "num_key_value_heads": 3}), "not a multiple of num_key_value_heads"),
+])
+def test_unreadable_configs_exit_2_with_a_message(tmp_path, capsys, content, message):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        planner.main(["--config", str(path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
