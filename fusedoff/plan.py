@@ -17,6 +17,7 @@ placement that fits. Every figure is a prediction of the model, at the rates nam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -194,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a preset (assumed figures) or 'measured': this machine's host side, measured now, "
                              "and the link and device of h100-pcie5 where there is no GPU")
     parser.add_argument("--threads", type=int, help="host threads for --rates measured (default: torch's)")
+    parser.add_argument("--charge-link-to-host-memory", action="store_true",
+                        help="count the link's bytes against host memory bandwidth too (see costs.py's note)")
     args = parser.parse_args(argv)
     try:
         params = parse_count(args.params) if args.params is not None else config_params(args.config)
@@ -203,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         rates = _rates(args.rates, args.threads)
+        if args.charge_link_to_host_memory:
+            rates = dataclasses.replace(rates, link_in_host_memory=True, name=f"{rates.name}, link charged to host memory")
         rows = plan(params, rates, optimizer=args.optimizer, param_dtype=DTYPES[args.param_dtype],
                     grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None, gpu_memory=gpu_memory,
                     host_memory=host_memory, reserve=reserve, state_precision=args.state_precision,

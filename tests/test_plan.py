@@ -200,6 +200,16 @@ def test_the_command_chooses_the_host_share_when_states_do_not_fit(capsys):
     assert float(chosen[0][9]) < float(rows["fp32", "fp32", "streamed"][9])  # step ms
 
 
+def test_charging_the_link_to_host_memory_leaves_the_h100_preset_no_host_share(capsys):
+    """At 75 GB/s of host memory the streamed copies alone (24 bytes per element) take longer than the
+    link: the host has no time to spare, and the best share is none."""
+    planner.main(["--params", "7e9", "--rates", "h100-pcie5", "--charge-link-to-host-memory"])
+    rows = {tuple(row[1:4]): row for row in table_rows(capsys.readouterr().out)}
+    assert rows["fp32", "fp32", "host share"][4] == "0.00"
+    assert rows["fp32", "fp32", "streamed"][10] == "host"  # bound
+    assert rows["fp32", "fp32", "streamed"][9] == "2240"  # 7e9 x 24 bytes / 75 GB/s
+
+
 def test_the_command_says_when_nothing_fits(tmp_path, capsys):
     planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "100KB", "--state-precision", "bf16"])
     out = capsys.readouterr().out
