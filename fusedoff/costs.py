@@ -41,6 +41,7 @@ the kernel's (which reads the parameter in two phases).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ import torch
 
 from fusedoff import formats
 from fusedoff.offload.contract import Phase, StateSpec
-from fusedoff.offload.placement import Placement
+from fusedoff.offload.placement import Placement, auto_budget
 
 OPTIMIZERS = ("adamw", "adam", "apollo")
 NO_MASTER = "none"
@@ -298,6 +299,18 @@ def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, 
                           device_bytes=device, host_bytes=host_bytes, terms=terms)
 
 
+def auto_resident(setup: Setup, params: int, gpu_memory: int, *, reserve: int = 0, chunk_size: int | None = None,
+                  num_buffers: int = 2) -> int:
+    """The elements whose states offload='auto' keeps on a GPU of `gpu_memory` bytes holding the
+    parameters, the gradients and `reserve` bytes more: the engine's automatic budget (placement.py's
+    `auto_budget`: 10% headroom, and room for the buffers when not everything fits), counted in
+    elements rather than whole tensors."""
+    b = element_bytes(setup, chunk_size=chunk_size, num_buffers=num_buffers)
+    in_use = params * (b.param + b.grad) + reserve
+    budget = auto_budget(int(gpu_memory), int(in_use), math.ceil(params * b.stored), b.buffers)
+    return min(params, int(budget // b.stored))
+
+
 def best_host_share(setup: Setup, rates: Rates, params: int, *, resident: int = 0, chunk_size: int | None = None,
                     num_buffers: int = 2) -> StepPrediction:
     """The prediction at the host share (of the elements not resident: never a resident one) with the
@@ -319,5 +332,5 @@ def best_host_share(setup: Setup, rates: Rates, params: int, *, resident: int = 
     return min((at(share) for share in sorted(candidates)), key=lambda p: (p.step_s, p.host))
 
 
-__all__ = ["ElementBytes", "PRESETS", "Rates", "Setup", "StepPrediction", "best_host_share", "element_bytes",
+__all__ = ["ElementBytes", "PRESETS", "Rates", "Setup", "StepPrediction", "auto_resident", "best_host_share", "element_bytes",
            "predict_step", "preset"]

@@ -4,9 +4,10 @@
     python -m fusedoff.plan --config path/config.json --gpu-memory 24GB --rates workstation-pcie4
     python -m fusedoff.plan --params 1.5B --optimizer apollo --rates measured
 
-For every state precision x master precision the optimizer takes, three placements: every state
-resident on the GPU, every state streamed, and streamed with the best share stepped by the host (the
-host-computed placement: gradient down, parameter up). Each row gives the GPU bytes (parameters,
+For every state precision x master precision the optimizer takes, four placements: every state
+resident on the GPU; every state streamed (offload='stream'); streamed with the best share stepped
+by the host (the host-computed placement: gradient down, parameter up); and offload='auto''s
+resident states (the engine's automatic budget on this GPU) with the best host share of the rest. Each row gives the GPU bytes (parameters,
 gradients, resident states, streaming buffers; activations are not counted: ``--reserve`` sets bytes
 aside for them), the host bytes, the bytes over the link each way, the predicted step and what bounds
 it, and whether it fits. The row marked ``*`` is the automatic choice for the precisions asked for
@@ -33,7 +34,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COUNT_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-PLACEMENTS = ("resident", "streamed", "host share")
+PLACEMENTS = ("resident", "streamed", "host share", "auto + host share")
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 # Keys of a mixture of experts: its parameter count is not the dense formula's.
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
@@ -136,9 +137,11 @@ def plan(params: int, rates: costs.Rates, *, optimizer: str = "adamw", param_dty
     wanted = costs.Setup(optimizer, param_dtype, grad_dtype, state_precision, master_precision)  # (refusing)
     rows = []
     for setup in setups(optimizer, param_dtype, grad_dtype):
+        auto = costs.auto_resident(setup, params, gpu_memory, reserve=reserve)
         for placement, prediction in (("resident", costs.predict_step(setup, rates, params, resident=params)),
                                       ("streamed", costs.predict_step(setup, rates, params)),
-                                      ("host share", costs.best_host_share(setup, rates, params))):
+                                      ("host share", costs.best_host_share(setup, rates, params)),
+                                      ("auto + host share", costs.best_host_share(setup, rates, params, resident=auto))):
             fits = prediction.device_bytes + reserve <= gpu_memory and (
                 host_memory is None or prediction.host_bytes <= host_memory)
             rows.append(PlanRow(placement, prediction, fits))
@@ -154,12 +157,12 @@ def _gb(value: float) -> str:
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
-    lines = ["| | states | master | placement | host share | GPU GB | host GB | to GPU GB | to host GB | step ms "
-             "| bound | fits |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| | states | master | placement | resident | host share | GPU GB | host GB | to GPU GB | to host GB | step ms "
+             "| bound | fits |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         p = row.prediction
         lines.append(f"| {'*' if row.chosen else ''} | {p.setup.state_precision} | {p.setup.master_precision} "
-                     f"| {row.placement} | {p.host_share:.2f} | {_gb(p.device_bytes)} | {_gb(p.host_bytes)} "
+                     f"| {row.placement} | {p.resident / p.params if p.params else 0:.2f} | {p.host_share:.2f} | {_gb(p.device_bytes)} | {_gb(p.host_bytes)} "
                      f"| {_gb(p.h2d_bytes)} | {_gb(p.d2h_bytes)} | {p.step_s * 1e3:.0f} | {p.bound} "
                      f"| {'yes' if row.fits else 'no'} |")
     return "\n".join(lines)

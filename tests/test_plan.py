@@ -173,9 +173,15 @@ def test_config_parameter_count(tmp_path):
     assert planner.config_params(write_config(tmp_path, attention_bias=True)) == TINY_PARAMS + 2 * (64 + 2 * 32 + 64)
 
 
-def table_rows(out: str) -> list[list[str]]:
+def table_rows(out: str) -> list[dict[str, str]]:
+    """The printed table's rows, by column header (the mark's column is "")."""
     lines = [line for line in out.splitlines() if line.startswith("|") and not line.startswith("|---")]
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+    header, *rows = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
+    return [dict(zip(header, row)) for row in rows]
+
+
+def by_setup(rows: list[dict[str, str]]) -> dict[tuple[str, str, str], dict[str, str]]:
+    return {(row["states"], row["master"], row["placement"]): row for row in rows}
 
 
 def test_the_command_on_a_config(tmp_path, capsys):
@@ -183,37 +189,52 @@ def test_the_command_on_a_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "86,848 parameters" in out
     rows = table_rows(out)
-    assert len(rows) == 3 * 4 * 3  # states x masters x placements
-    chosen = [row for row in rows if row[0] == "*"]
+    assert len(rows) == 3 * 4 * 4  # states x masters x placements
+    chosen = [row for row in rows if row[""] == "*"]
     # Everything fits in 80 GB: resident is fastest, for the default precisions.
-    assert [row[1:4] for row in chosen] == [["fp32", "fp32", "resident"]]
-    assert chosen[0][-1] == "yes"
+    assert [(row["states"], row["master"], row["placement"], row["fits"]) for row in chosen] == [
+        ("fp32", "fp32", "resident", "yes")]
+    # offload='auto' keeps every state resident where all fit: no host share, the resident step.
+    auto = by_setup(rows)["fp32", "fp32", "auto + host share"]
+    assert (auto["resident"], auto["host share"], auto["step ms"]) == (
+        "1.00", "0.00", by_setup(rows)["fp32", "fp32", "resident"]["step ms"])
 
 
-def test_the_command_chooses_the_host_share_when_states_do_not_fit(capsys):
+def test_the_command_chooses_the_auto_budget_and_a_host_share_when_states_do_not_fit(capsys):
     planner.main(["--params", "7e9", "--rates", "h100-pcie5", "--gpu-memory", "80GB"])
-    out = capsys.readouterr().out
-    rows = {tuple(row[1:4]): row for row in table_rows(out)}
-    assert rows["fp32", "fp32", "resident"][-1] == "no"  # 16 bytes x 7e9 = 112 GB
-    chosen = [row for row in table_rows(out) if row[0] == "*"]
-    assert [row[1:4] for row in chosen] == [["fp32", "fp32", "host share"]]
-    assert float(chosen[0][9]) < float(rows["fp32", "fp32", "streamed"][9])  # step ms
+    rows = table_rows(capsys.readouterr().out)
+    fp32 = {placement: row for (state, master, placement), row in by_setup(rows).items()
+            if (state, master) == ("fp32", "fp32")}
+    assert fp32["resident"]["fits"] == "no"  # 16 bytes x 7e9 = 112 GB
+    assert [row["placement"] for row in rows if row[""] == "*"] == ["auto + host share"]
+    assert float(fp32["auto + host share"]["step ms"]) < float(fp32["host share"]["step ms"]) \
+        < float(fp32["streamed"]["step ms"])
+    # 72 GB of the 80 (10% headroom): the parameters and gradients (28 GB), the buffers, the resident states.
+    assert fp32["auto + host share"]["GPU GB"] == "72.0"
+
+
+def test_auto_resident_is_the_engines_automatic_budget():
+    buffers = 2 * 3 * 4 * 2**22
+    available = 72 * 10**9 - 4 * 7 * 10**9  # 90% of 80 GB, less the bf16 parameters and gradients
+    assert costs.auto_resident(costs.Setup(), 7 * 10**9, 80 * 10**9) == (available - buffers) // 12
+    assert costs.auto_resident(costs.Setup(), 10**9, 80 * 10**9) == 10**9  # 16 GB fit whole
+    assert costs.auto_resident(costs.Setup(), 7 * 10**9, 20 * 10**9) == 0  # not even the parameters fit
 
 
 def test_charging_the_link_to_host_memory_leaves_the_h100_preset_no_host_share(capsys):
     """At 75 GB/s of host memory the streamed copies alone (24 bytes per element) take longer than the
     link: the host has no time to spare, and the best share is none."""
     planner.main(["--params", "7e9", "--rates", "h100-pcie5", "--charge-link-to-host-memory"])
-    rows = {tuple(row[1:4]): row for row in table_rows(capsys.readouterr().out)}
-    assert rows["fp32", "fp32", "host share"][4] == "0.00"
-    assert rows["fp32", "fp32", "streamed"][10] == "host"  # bound
-    assert rows["fp32", "fp32", "streamed"][9] == "2240"  # 7e9 x 24 bytes / 75 GB/s
+    rows = by_setup(table_rows(capsys.readouterr().out))
+    assert rows["fp32", "fp32", "host share"]["host share"] == "0.00"
+    streamed = rows["fp32", "fp32", "streamed"]
+    assert (streamed["bound"], streamed["step ms"]) == ("host", "2240")  # 7e9 x 24 bytes / 75 GB/s
 
 
 def test_the_command_says_when_nothing_fits(tmp_path, capsys):
     planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "100KB", "--state-precision", "bf16"])
     out = capsys.readouterr().out
-    assert not [row for row in table_rows(out) if row[0] == "*"]
+    assert not [row for row in table_rows(out) if row[""] == "*"]
     assert "nothing fits with bf16 states" in out
 
 
