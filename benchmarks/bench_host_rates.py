@@ -42,7 +42,8 @@ def rows_of(calibration: calibrate.Calibration) -> list[dict]:
     rows = []
     for (optimizer, state, master), rate in calibration.host_kernel.items():
         kernel = costs.element_bytes(costs.Setup(optimizer, torch.bfloat16, None, state, master)).kernel
-        rows.append({"what": "host kernel", "optimizer": optimizer, "state_precision": state, "master_precision": master,
+        rows.append({"what": "host kernel", "optimizer": optimizer, "state_precision": state,
+                     "master_precision": master,
                      "threads": calibration.threads, "numel": calibration.numel,
                      "elements_per_s": round(rate), "kernel_bytes_per_element": kernel,
                      "gb_per_s": round(rate * kernel / 1e9, 2)})
@@ -83,7 +84,8 @@ def main() -> None:
             calibration = calibrate.measure(threads, numel=args.numel, repeats=args.repeats)
             rows += rows_of(calibration)
             print(format_table(rows_of(calibration)), flush=True)
-    meta = timing.hardware_metadata(torch.get_num_threads(), {**timing.gpu_metadata(), "cpuinfo_model": _cpuinfo_model(),
+    meta = timing.hardware_metadata(torch.get_num_threads(), {**timing.gpu_metadata(),
+                                                              "cpuinfo_model": _cpuinfo_model(),
                                                               "load": timing.load_note(load)})
     timing.write_csv(args.out_dir / "host_rates.csv", rows, meta)
     markdown = (f"{timing.hardware_lines(meta)}\n- /proc/cpuinfo: {meta['cpuinfo_model']}\n- torch {meta['torch']}, "

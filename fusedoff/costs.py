@@ -47,15 +47,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusedoff import formats
+from fusedoff import formats, memory
 from fusedoff.offload.contract import Phase, StateSpec
+from fusedoff.offload.gradients import LOW_PRECISION
 from fusedoff.offload.placement import Placement, auto_budget
+from fusedoff.optim.base import master_spec
 
-OPTIMIZERS = ("adamw", "adam", "apollo")
+OPTIMIZERS = memory.OPTIMIZERS
 NO_MASTER = "none"
 MASTER_PRECISIONS = (*formats.MASTER_FORMS, NO_MASTER)
 STATE_PRECISIONS = tuple(formats.MOMENT_FORMS)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 # A tensor this many chunks long stands for the model's tensors when counting a streamed pass's bytes
 # per element: weight matrices of large models span chunks (Apollo then copies once per phase).
 _SPANNING_CHUNKS = 4
@@ -121,10 +122,8 @@ class ElementBytes:
 
 
 def _specs_and_phases(setup: Setup) -> tuple[tuple[StateSpec, ...], tuple[StateSpec, ...], tuple[Phase, ...]]:
-    """The states, the master and the phases the optimizer class declares (refusing what it refuses)."""
-    from fusedoff import memory  # the classes' own specs, as the memory report reads them
-    from fusedoff.optim.base import master_spec
-
+    """The states, the master and the phases the optimizer class declares (refusing what it refuses),
+    asked as the memory report asks them."""
     states = memory._state_specs("fusedoff", setup.optimizer, setup.state_precision, False)
     master = () if setup.master_precision == NO_MASTER else (master_spec(setup.master_precision),)
     names = tuple(s.name for s in states + master)
@@ -332,5 +331,6 @@ def best_host_share(setup: Setup, rates: Rates, params: int, *, resident: int = 
     return min((at(share) for share in sorted(candidates)), key=lambda p: (p.step_s, p.host))
 
 
-__all__ = ["ElementBytes", "PRESETS", "Rates", "Setup", "StepPrediction", "auto_resident", "best_host_share", "element_bytes",
+__all__ = ["ElementBytes", "PRESETS", "Rates", "Setup", "StepPrediction", "auto_resident", "best_host_share",
+           "element_bytes",
            "predict_step", "preset"]

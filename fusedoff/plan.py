@@ -7,12 +7,13 @@
 For every state precision x master precision the optimizer takes, four placements: every state
 resident on the GPU; every state streamed (offload='stream'); streamed with the best share stepped
 by the host (the host-computed placement: gradient down, parameter up); and offload='auto''s
-resident states (the engine's automatic budget on this GPU) with the best host share of the rest. Each row gives the GPU bytes (parameters,
-gradients, resident states, streaming buffers; activations are not counted: ``--reserve`` sets bytes
-aside for them), the host bytes, the bytes over the link each way, the predicted step and what bounds
-it, and whether it fits. The row marked ``*`` is the automatic choice for the precisions asked for
-(``--state-precision``, ``--master-precision``: the optimizer's defaults unless given): the fastest
-placement that fits. Every figure is a prediction of the model, at the rates named.
+resident states (the engine's automatic budget on this GPU) with the best host share of the rest.
+Each row gives the GPU bytes (parameters, gradients, resident states, streaming buffers; activations
+are not counted: ``--reserve`` sets bytes aside for them), the host bytes, the bytes over the link
+each way, the predicted step and what bounds it, and whether it fits. The row marked ``*`` is the
+automatic choice for the precisions asked for (``--state-precision``, ``--master-precision``: the
+optimizer's defaults unless given): the fastest placement that fits. Every figure is a prediction of
+the model, at the rates named.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _positive(text: str, units: dict[str, float], what: str) -> int:
     match = _NUMBER.match(text)
     unit = match.group(2).upper() if match else ""
     if not match or unit not in units:
-        raise ValueError(f"{what} must be a positive number with an optional unit ({', '.join(u for u in units if u)}), "
-                         f"got {text!r}")
+        named = ", ".join(u for u in units if u)
+        raise ValueError(f"{what} must be a positive number with an optional unit ({named}), got {text!r}")
     value = float(match.group(1)) * units[unit]
     if not math.isfinite(value) or round(value) < 1:
         raise ValueError(f"{what} must be positive and finite, got {text!r}")
@@ -95,7 +96,8 @@ def config_params(path: Path) -> int:
     heads = _config_int(config, "num_attention_heads", path)
     kv_heads = _config_int(config, "num_key_value_heads", path, heads)
     if hidden % heads and "head_dim" not in config:
-        raise ValueError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}: give head_dim")
+        raise ValueError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}: "
+                         "give head_dim")
     head_dim = _config_int(config, "head_dim", path, hidden // heads)
     if heads % kv_heads:
         raise ValueError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -138,10 +140,11 @@ def plan(params: int, rates: costs.Rates, *, optimizer: str = "adamw", param_dty
     rows = []
     for setup in setups(optimizer, param_dtype, grad_dtype):
         auto = costs.auto_resident(setup, params, gpu_memory, reserve=reserve)
-        for placement, prediction in (("resident", costs.predict_step(setup, rates, params, resident=params)),
-                                      ("streamed", costs.predict_step(setup, rates, params)),
-                                      ("host share", costs.best_host_share(setup, rates, params)),
-                                      ("auto + host share", costs.best_host_share(setup, rates, params, resident=auto))):
+        placements = (("resident", costs.predict_step(setup, rates, params, resident=params)),
+                      ("streamed", costs.predict_step(setup, rates, params)),
+                      ("host share", costs.best_host_share(setup, rates, params)),
+                      ("auto + host share", costs.best_host_share(setup, rates, params, resident=auto)))
+        for placement, prediction in placements:
             fits = prediction.device_bytes + reserve <= gpu_memory and (
                 host_memory is None or prediction.host_bytes <= host_memory)
             rows.append(PlanRow(placement, prediction, fits))
@@ -157,12 +160,14 @@ def _gb(value: float) -> str:
 
 
 def format_table(rows: Sequence[PlanRow]) -> str:
-    lines = ["| | states | master | placement | resident | host share | GPU GB | host GB | to GPU GB | to host GB | step ms "
-             "| bound | fits |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("", "states", "master", "placement", "resident", "host share", "GPU GB", "host GB", "to GPU GB",
+              "to host GB", "step ms", "bound", "fits")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         p = row.prediction
         lines.append(f"| {'*' if row.chosen else ''} | {p.setup.state_precision} | {p.setup.master_precision} "
-                     f"| {row.placement} | {p.resident / p.params if p.params else 0:.2f} | {p.host_share:.2f} | {_gb(p.device_bytes)} | {_gb(p.host_bytes)} "
+                     f"| {row.placement} | {p.resident / p.params if p.params else 0:.2f} | {p.host_share:.2f} "
+                     f"| {_gb(p.device_bytes)} | {_gb(p.host_bytes)} "
                      f"| {_gb(p.h2d_bytes)} | {_gb(p.d2h_bytes)} | {p.step_s * 1e3:.0f} | {p.bound} "
                      f"| {'yes' if row.fits else 'no'} |")
     return "\n".join(lines)
@@ -210,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         rates = _rates(args.rates, args.threads)
         if args.charge_link_to_host_memory:
-            rates = dataclasses.replace(rates, link_in_host_memory=True, name=f"{rates.name}, link charged to host memory")
+            rates = dataclasses.replace(rates, link_in_host_memory=True,
+                                        name=f"{rates.name}, link charged to host memory")
         rows = plan(params, rates, optimizer=args.optimizer, param_dtype=DTYPES[args.param_dtype],
                     grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None, gpu_memory=gpu_memory,
                     host_memory=host_memory, reserve=reserve, state_precision=args.state_precision,
@@ -218,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     grads = args.grad_dtype or args.param_dtype
-    print(f"{params:,} parameters ({params / 1e9:.2f}B; {args.param_dtype} parameters, {grads} gradients), {args.optimizer}, "
+    print(f"{params:,} parameters ({params / 1e9:.2f}B; {args.param_dtype} parameters, {grads} gradients), "
+          f"{args.optimizer}, "
           f"GPU memory {gpu_memory / 1e9:.1f} GB" + (f" ({reserve / 1e9:.1f} GB reserved)" if reserve else "")
           + (f", host memory {host_memory / 1e9:.1f} GB" if host_memory else ""))
     print(f"rates {rates.name}: link {rates.h2d / 1e9:.0f}/{rates.d2h / 1e9:.0f} GB/s each way, {rates.both / 1e9:.0f} "
