@@ -232,6 +232,24 @@ def test_charging_the_link_to_host_memory_leaves_the_h100_preset_no_host_share(c
     assert (streamed["bound"], streamed["step ms"]) == ("host", "2240")  # 7e9 x 24 bytes / 75 GB/s
 
 
+def test_the_command_with_measured_rates_takes_the_host_kernels_rate(capsys, monkeypatch):
+    """--rates measured: the host side as measured (here a stand-in for the measurement), the link and
+    the device from the H100 preset where there is no GPU."""
+    measured = calibrate.Calibration(threads=2, numel=1, host_kernel={("adamw", "fp32", "fp32"): 1e9},
+                                     host_copy=5e9, host_inplace=1e10)
+    monkeypatch.setattr(calibrate, "measure", lambda threads=None: measured)
+    planner.main(["--params", "7e9", "--rates", "measured"])
+    out = capsys.readouterr().out
+    assert "rates measured host + h100-pcie5:" in out and "its kernel measured on 2 threads" in out
+    rows = by_setup(table_rows(out))
+    # Per element, the link (24 - 20 x bytes at 100 GB/s: 0.24 - 0.2 x ns) meets the measured host
+    # kernel (x ns at 1e9 elements/s) at x = 0.24 / 1.2: the rate decides, not the bandwidth.
+    assert rows["fp32", "fp32", "host share"]["host share"] == "0.20"
+    # A setup it did not measure is timed by its kernel's bytes at the measured bandwidth: bf16 states
+    # with fp32 masters, 20 bytes at 10 GB/s (2 x ns) against the link's 0.16 - 0.12 x ns: x = 0.16 / 2.12.
+    assert rows["bf16", "fp32", "host share"]["host share"] == f"{0.16 / 2.12:.2f}" == "0.08"
+
+
 def test_the_command_says_when_nothing_fits(tmp_path, capsys):
     planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "100KB", "--state-precision", "bf16"])
     out = capsys.readouterr().out
