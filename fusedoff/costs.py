@@ -162,7 +162,7 @@ class Rates:
     both: float  # bytes/s of both directions together while both are busy
     device_memory: float  # bytes/s (read + written) a streaming device kernel reaches
     host_memory: float | None  # bytes/s (read + written) the host kernel reaches; None: not known
-    host_cores: int
+    host_cores: int  # cores for the host kernel: stated, not used (a measured rate is for `host_threads`)
     # Elements per second of the host kernel by (optimizer, state precision, master precision), measured
     # on `host_threads` threads; setups missing here are timed by their bytes at `host_memory`.
     host_kernel: dict[tuple[str, str, str], float] = field(default_factory=dict)

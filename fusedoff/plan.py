@@ -240,8 +240,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"* the automatic choice for {p.setup.label}: {chosen[0].placement}"
               + (f" (host share {p.host_share:.2f})" if chosen[0].placement == "host share" else "")
               + f", {p.step_s * 1e3:.0f} ms per step, predicted")
-    else:
+    elif any(row.fits for row in rows):
         print(f"nothing fits with {args.state_precision} states: see the rows that fit above")
+    else:
+        least = min(row.prediction.device_bytes for row in rows) + reserve
+        print(f"nothing fits: every row needs {least / 1e9:.3g} GB of GPU memory or more")
 
 
 if __name__ == "__main__":

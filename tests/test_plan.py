@@ -168,6 +168,19 @@ def write_config(tmp_path, **changes):
     return path
 
 
+@pytest.mark.parametrize("config,published", [
+    # Llama 2 7B and Llama 3 8B: their config.json's figures, and the counts published for them.
+    (dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=32,
+          num_key_value_heads=32, vocab_size=32000), 6_738_415_616),
+    (dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32,
+          num_key_value_heads=8, vocab_size=128256), 8_030_261_248),
+], ids=["llama-2-7b", "llama-3-8b"])
+def test_config_parameter_count_of_published_models(tmp_path, config, published):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "model_type": "llama", "tie_word_embeddings": False}))
+    assert planner.config_params(path) == published
+
+
 def test_config_parameter_count(tmp_path):
     assert planner.config_params(write_config(tmp_path)) == TINY_PARAMS == 86848
     assert planner.config_params(write_config(tmp_path, tie_word_embeddings=True)) == TINY_PARAMS - 6400
@@ -251,10 +264,20 @@ def test_the_command_with_measured_rates_takes_the_host_kernels_rate(capsys, mon
 
 
 def test_the_command_says_when_nothing_fits(tmp_path, capsys):
-    planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "100KB", "--state-precision", "bf16"])
+    # 800 KB: 8-bit states without masters fit resident (86848 x (4 + 2 + 1/32) bytes), bf16 states
+    # with fp32 masters (12 bytes more each) do not, and nothing streamed does (its buffers).
+    planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "800KB", "--state-precision", "bf16"])
     out = capsys.readouterr().out
-    assert not [row for row in table_rows(out) if row[""] == "*"]
-    assert "nothing fits with bf16 states" in out
+    rows = table_rows(out)
+    assert not [row for row in rows if row[""] == "*"]
+    assert by_setup(rows)["8bit", "none", "resident"]["fits"] == "yes"
+    assert "nothing fits with bf16 states: see the rows that fit above" in out
+    # With 1 MB reserved, no row fits: the least any needs is said.
+    planner.main(["--config", str(write_config(tmp_path)), "--gpu-memory", "800KB", "--reserve", "1MB"])
+    out = capsys.readouterr().out
+    assert not [row for row in table_rows(out) if row["fits"] == "yes"]
+    least = (TINY_PARAMS * (2 + 2 + 2 + 2 * 4 / 256) + 10**6) / 1e9
+    assert f"nothing fits: every row needs {least:.3g} GB of GPU memory or more" in out
 
 
 @pytest.mark.parametrize("argv,message", [
