@@ -53,7 +53,7 @@ class Calibration:
 
     def rates(self, base: costs.Rates) -> costs.Rates:
         """Rates with the measured figures, and `base`'s where nothing was measured (no GPU: the link
-        and the device). The host memory bandwidth is the copy's."""
+        and the device). The host memory bandwidth is the in-place pass's (the kernel's pattern)."""
         measured = self.h2d is not None
         name = "measured" if measured else f"measured host + {base.name}"
         return costs.Rates(

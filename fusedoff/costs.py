@@ -154,7 +154,7 @@ def element_bytes(setup: Setup, *, chunk_size: int | None = None, num_buffers: i
 @dataclass(frozen=True)
 class Rates:
     """How fast each resource runs, in bytes (or elements) per second. Presets: `PRESETS`; measured:
-    `fusedoff.calibrate.measure_rates`."""
+    ``fusedoff.calibrate.measure(threads).rates(base)``."""
 
     name: str
     h2d: float  # bytes/s host -> device, large pinned copies
@@ -173,10 +173,6 @@ class Rates:
     def host_elements_per_s(self, setup: Setup) -> float | None:
         optimizer = "adamw" if setup.optimizer == "adam" else setup.optimizer  # one kernel, one cost
         return self.host_kernel.get((optimizer, setup.state_precision, setup.master_precision))
-
-    def link_seconds(self, h2d_bytes: float, d2h_bytes: float) -> float:
-        """The least time the link moves these bytes in: each direction at its rate, both under `both`."""
-        return max(h2d_bytes / self.h2d, d2h_bytes / self.d2h, (h2d_bytes + d2h_bytes) / self.both)
 
 
 # Presets: ASSUMED figures for planning, not measurements (`--rates measured` measures the host here).
@@ -241,6 +237,7 @@ class StepPrediction:
 
     @property
     def link_s(self) -> float:
+        """The least time the link moves the bytes in: each direction at its rate, both under `both`."""
         return max(self.terms["h2d"], self.terms["d2h"], self.terms["both"])
 
     @property
@@ -332,5 +329,4 @@ def best_host_share(setup: Setup, rates: Rates, params: int, *, resident: int = 
 
 
 __all__ = ["ElementBytes", "PRESETS", "Rates", "Setup", "StepPrediction", "auto_resident", "best_host_share",
-           "element_bytes",
-           "predict_step", "preset"]
+           "element_bytes", "predict_step", "preset"]
