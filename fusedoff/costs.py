@@ -124,10 +124,10 @@ class ElementBytes:
 def _specs_and_phases(setup: Setup) -> tuple[tuple[StateSpec, ...], tuple[StateSpec, ...], tuple[Phase, ...]]:
     """The states, the master and the phases the optimizer class declares (refusing what it refuses),
     asked as the memory report asks them."""
-    states = memory._state_specs("fusedoff", setup.optimizer, setup.state_precision, False)
+    states = memory.state_specs_of(setup.optimizer, setup.state_precision)
     master = () if setup.master_precision == NO_MASTER else (master_spec(setup.master_precision),)
     names = tuple(s.name for s in states + master)
-    return states, master, memory._phases_of(setup.optimizer, False, setup.state_precision, {})(names)
+    return states, master, memory.phases_of(setup.optimizer, setup.state_precision)(names)
 
 
 def _per_element(specs: Iterable[StateSpec]) -> float:
