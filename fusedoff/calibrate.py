@@ -59,7 +59,7 @@ class Calibration:
         return costs.Rates(
             name, h2d=self.h2d or base.h2d, d2h=self.d2h or base.d2h, both=self.both or base.both,
             device_memory=self.device_kernel or base.device_memory, host_memory=self.host_inplace or base.host_memory,
-            host_cores=self.threads, host_kernel=dict(self.host_kernel), host_threads=self.threads,
+            host_kernel=dict(self.host_kernel), host_threads=self.threads,
             source=f"host measured here ({self.threads} threads)"
             + (f", link and device measured on {self.device}" if measured else f"; link and device: {base.source}"))
 

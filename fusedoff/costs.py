@@ -162,7 +162,6 @@ class Rates:
     both: float  # bytes/s of both directions together while both are busy
     device_memory: float  # bytes/s (read + written) a streaming device kernel reaches
     host_memory: float | None  # bytes/s (read + written) the host kernel reaches; None: not known
-    host_cores: int  # cores for the host kernel: stated, not used (a measured rate is for `host_threads`)
     # Elements per second of the host kernel by (optimizer, state precision, master precision), measured
     # on `host_threads` threads; setups missing here are timed by their bytes at `host_memory`.
     host_kernel: dict[tuple[str, str, str], float] = field(default_factory=dict)
@@ -186,7 +185,7 @@ PRESETS = {
         device_memory=3.35e12 * 0.8,
         # One GPU's share of a two-socket, 112-core DDR5-4800 server with 8 GPUs: 14 cores, and of
         # 2 sockets x 8 channels x 38.4 GB/s = 614 GB/s peak, ~77 GB/s: 75 GB/s assumed reached.
-        host_memory=75e9, host_cores=14,
+        host_memory=75e9,
         source="assumed: PCIe Gen5 x16 ~55 GB/s each way (100 both), H100 HBM3 3.35 TB/s x 0.8, "
                "14 cores and 75 GB/s of DDR5 per GPU"),
     "workstation-pcie4": Rates(
@@ -196,7 +195,7 @@ PRESETS = {
         # A workstation GPU with ~1 TB/s of GDDR6X (an RTX 4090's 1008 GB/s published), 80% assumed reached.
         device_memory=1.0e12 * 0.8,
         # A 16-core desktop CPU with dual-channel DDR5-6000 (96 GB/s peak): 80 GB/s assumed reached.
-        host_memory=80e9, host_cores=16,
+        host_memory=80e9,
         source="assumed: PCIe Gen4 x16 ~25 GB/s each way (45 both), a ~1 TB/s GPU x 0.8, "
                "16 cores and 80 GB/s of DDR5"),
 }

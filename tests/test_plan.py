@@ -78,7 +78,7 @@ def test_seven_billion_parameters_move_and_hold_the_published_bytes():
 
 
 def test_step_time_against_a_hand_computation():
-    rates = costs.Rates("hand", h2d=10.0, d2h=20.0, both=25.0, device_memory=100.0, host_memory=50.0, host_cores=1)
+    rates = costs.Rates("hand", h2d=10.0, d2h=20.0, both=25.0, device_memory=100.0, host_memory=50.0)
     p = costs.predict_step(costs.Setup(), rates, 100, resident=20, host_share=0.25)
     assert (p.resident, p.streamed, p.host) == (20, 60, 20)
     # h2d: 60 streamed x 12 + 20 parameters x 2; d2h the same (gradients down)
@@ -88,11 +88,11 @@ def test_step_time_against_a_hand_computation():
     assert (p.step_s, p.bound) == (pytest.approx(76.0), "link")
     assert p.host_bytes == 80 * 12 + 20 * (2 + 2)
     # A measured host kernel rate replaces the bytes at host memory bandwidth ...
-    measured = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, 1, host_kernel={("adamw", "fp32", "fp32"): 0.25})
+    measured = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, host_kernel={("adamw", "fp32", "fp32"): 0.25})
     p = costs.predict_step(costs.Setup(), measured, 100, resident=20, host_share=0.25)
     assert (p.host_s, p.step_s, p.bound) == (pytest.approx(80.0), pytest.approx(80.0), "host")
     # ... and with the link's bytes charged to host memory, both count there.
-    charged = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, 1, link_in_host_memory=True)
+    charged = costs.Rates("hand", 10.0, 20.0, 25.0, 100.0, 50.0, link_in_host_memory=True)
     p = costs.predict_step(costs.Setup(), charged, 100, resident=20, host_share=0.25)
     assert p.terms["host memory"] == pytest.approx((20 * 28 + 1520) / 50)
 
@@ -102,9 +102,9 @@ def test_step_time_against_a_hand_computation():
 @pytest.mark.parametrize("resident_share", [0.0, 0.3])
 def test_best_host_share_is_the_brute_force_minimum(rates, state, master, resident_share):
     if rates == "charged":
-        rates = costs.Rates("charged", 25e9, 25e9, 45e9, 1e12, 120e9, 16, link_in_host_memory=True)
+        rates = costs.Rates("charged", 25e9, 25e9, 45e9, 1e12, 120e9, link_in_host_memory=True)
     elif rates == "slow host kernel":
-        rates = costs.Rates("slow", 55e9, 55e9, 100e9, 3e12, None, 14, host_kernel={("adamw", state, master): 2e9})
+        rates = costs.Rates("slow", 55e9, 55e9, 100e9, 3e12, None, host_kernel={("adamw", state, master): 2e9})
     else:
         rates = costs.preset(rates)
     setup = costs.Setup("adamw", BF16, None, state, master)
