@@ -8,24 +8,33 @@ A step of N parameter elements splits them three ways:
   host-computed  states in host memory, stepped there by the host kernel: only the gradient goes down
                  to the host and the parameter back up.
 
-Bytes per element come from the optimizer classes' own state specs (the stored forms of
-fusedoff/formats.py, as `fusedoff.memory.predict` reads them) and the engine's own rule for the bytes a
-streamed pass copies (`Placement.predict_link`), never from constants written here.
+Bytes per element come from the optimizer classes' own state specs and phases (the stored forms of
+fusedoff/formats.py, as `fusedoff.memory.state_specs_of` and `phases_of` give them) and the engine's own
+rule for the bytes a streamed pass copies (`Placement.predict_link`), never from constants written here.
 
-[note: the step's cost model] Three resources run concurrently, and the step takes as long as the
+[note: the step's cost model] Four resources run concurrently, and the step takes as long as the
 busiest one (a documented simple model, not a schedule):
 
-  link    h2d bytes / h2d rate, d2h bytes / d2h rate, and both together / the rate when both directions
-          run at once: the largest of the three (the streamed chunks' copies, and the host-computed
-          elements' gradients down and parameters up, share it);
-  device  the bytes the device kernel reads and writes (resident and streamed elements) / the device
-          memory bandwidth it reaches;
-  host    the host kernel over the host-computed elements: elements / its measured elements per second
-          where the rates have one for the setup, else its bytes / the host memory bandwidth. With
-          ``Rates.link_in_host_memory`` the bytes the link moves into and out of host memory count
-          against that bandwidth too, beside the kernel's bytes (off by default: the simple model
-          leaves the copies' share of host memory out, which flatters the host share where host
-          memory is not much faster than the link).
+  link         h2d bytes / h2d rate, d2h bytes / d2h rate, and both together / the rate when both
+               directions run at once: the largest of the three (the streamed chunks' copies, and the
+               host-computed elements' gradients down and parameters up, share it);
+  device       the bytes the device kernel reads and writes (resident and streamed elements) / the
+               device memory bandwidth it reaches;
+  host memory  every byte that crosses host memory / its bandwidth: the host kernel's reads and writes
+               over the host-computed elements, and every byte the link moves, both ways. Pinned-memory
+               copies are DMA over PCIe from and into host DRAM: a streamed chunk is read from it on the
+               way up and written into it on the way down, a host-computed element's gradient lands in
+               it and its parameter leaves from it. On a node of several GPUs every rank streams at
+               once, so the bandwidth is one GPU's share of the node's;
+  host kernel  the host-computed elements / the host kernel's measured elements per second, where the
+               rates have one for the setup: what it reaches alone on its threads (arithmetic such as
+               codecs and rounding can hold it below host memory's rate); the copies' traffic that
+               competes with it is in host memory's term.
+
+A host-computed element crosses host memory with at least the bytes a streamed one does (its kernel
+reads and writes the states the stream would copy, and reads the gradient and writes the parameter
+besides, which the link carries too), so a host share shortens the step only where the link, not
+host memory, bounds the streamed step.
 
 Left out: the pipeline's fill and drain (one chunk each way), per-call host costs, the forward that
 overlapped steps hide under, and the copies' and kernels' contention for device memory. The timed
@@ -161,12 +170,11 @@ class Rates:
     d2h: float  # bytes/s device -> host
     both: float  # bytes/s of both directions together while both are busy
     device_memory: float  # bytes/s (read + written) a streaming device kernel reaches
-    host_memory: float | None  # bytes/s (read + written) the host kernel reaches; None: not known
+    host_memory: float  # bytes/s (read + written) of host memory: this GPU's share of it, for kernel and copies
     # Elements per second of the host kernel by (optimizer, state precision, master precision), measured
-    # on `host_threads` threads; setups missing here are timed by their bytes at `host_memory`.
+    # on `host_threads` threads; setups missing here are timed by their bytes at `host_memory` alone.
     host_kernel: dict[tuple[str, str, str], float] = field(default_factory=dict)
     host_threads: int | None = None
-    link_in_host_memory: bool = False  # the link's bytes count against host_memory too
     source: str = ""  # where the numbers come from
 
     def host_elements_per_s(self, setup: Setup) -> float | None:
@@ -221,7 +229,8 @@ class StepPrediction:
     device_bytes: float  # on the GPU: parameters, gradients, resident states and masters, buffers
     host_bytes: float  # in host memory: streamed and host-computed states and masters, host staging
     # Seconds of each term of the step (each linear in the elements it counts): "h2d", "d2h", "both"
-    # (the link), "device", "host kernel" (elements / rate), "host memory" (bytes / bandwidth).
+    # (the link), "device", "host memory" (the kernel's and the link's bytes / bandwidth), "host kernel"
+    # (elements / measured rate; 0 where none).
     terms: dict[str, float]
 
     @property
@@ -244,17 +253,15 @@ class StepPrediction:
         return self.terms["device"]
 
     @property
-    def host_s(self) -> float:
-        return max(self.terms["host kernel"], self.terms["host memory"])
-
-    @property
     def step_s(self) -> float:
         return max(self.terms.values())
 
     @property
     def bound(self) -> str:
-        """The resource the step waits on: "link", "device" or "host"."""
-        return max(("link", self.link_s), ("device", self.device_s), ("host", self.host_s), key=lambda t: t[1])[0]
+        """The resource the step waits on: "link", "device", "host memory" or "host kernel"."""
+        resources = (("link", self.link_s), ("device", self.device_s), ("host memory", self.terms["host memory"]),
+                     ("host kernel", self.terms["host kernel"]))
+        return max(resources, key=lambda t: t[1])[0]
 
 
 def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, host_share: float = 0.0,
@@ -276,18 +283,10 @@ def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, 
     h2d = streamed * b.stream_h2d + host * b.host_h2d
     d2h = streamed * b.stream_d2h + host * b.host_d2h
     rate = rates.host_elements_per_s(setup)
-    if host and rate is None and rates.host_memory is None:
-        raise ValueError(f"rates {rates.name!r} know neither the host kernel's rate for {setup.label} "
-                         "nor the host's memory bandwidth")
-    in_host_memory = 0.0
-    if rates.link_in_host_memory:
-        in_host_memory = host * b.kernel + h2d + d2h
-    elif rate is None:
-        in_host_memory = host * b.kernel
     terms = {"h2d": h2d / rates.h2d, "d2h": d2h / rates.d2h, "both": (h2d + d2h) / rates.both,
              "device": (resident + streamed) * b.kernel / rates.device_memory,
-             "host kernel": host / rate if rate else 0.0,
-             "host memory": in_host_memory / rates.host_memory if rates.host_memory else 0.0}
+             "host memory": (host * b.kernel + h2d + d2h) / rates.host_memory,
+             "host kernel": host / rate if rate else 0.0}
     device = params * (b.param + b.grad) + resident * b.stored + (b.buffers if streamed else 0)
     host_bytes = (streamed + host) * b.stored + host * (b.grad + b.param)
     return StepPrediction(setup, rates.name, resident, streamed, host, h2d_bytes=h2d, d2h_bytes=d2h,

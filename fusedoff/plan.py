@@ -19,7 +19,6 @@ the model, at the rates named.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import re
@@ -203,8 +202,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a preset (assumed figures) or 'measured': this machine's host side, measured now, "
                              "and the link and device of h100-pcie5 where there is no GPU")
     parser.add_argument("--threads", type=int, help="host threads for --rates measured (default: torch's)")
-    parser.add_argument("--charge-link-to-host-memory", action="store_true",
-                        help="count the link's bytes against host memory bandwidth too (see costs.py's note)")
     args = parser.parse_args(argv)
     try:
         params = parse_count(args.params) if args.params is not None else config_params(args.config)
@@ -214,9 +211,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         rates = _rates(args.rates, args.threads)
-        if args.charge_link_to_host_memory:
-            rates = dataclasses.replace(rates, link_in_host_memory=True,
-                                        name=f"{rates.name}, link charged to host memory")
         rows = plan(params, rates, optimizer=args.optimizer, param_dtype=DTYPES[args.param_dtype],
                     grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None, gpu_memory=gpu_memory,
                     host_memory=host_memory, reserve=reserve, state_precision=args.state_precision,
@@ -229,8 +223,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"GPU memory {gpu_memory / 1e9:.1f} GB" + (f" ({reserve / 1e9:.1f} GB reserved)" if reserve else "")
           + (f", host memory {host_memory / 1e9:.1f} GB" if host_memory else ""))
     print(f"rates {rates.name}: link {rates.h2d / 1e9:.0f}/{rates.d2h / 1e9:.0f} GB/s each way, {rates.both / 1e9:.0f} "
-          f"both, device {rates.device_memory / 1e12:.2f} TB/s, host "
-          + (f"{rates.host_memory / 1e9:.0f} GB/s" if rates.host_memory else "memory unknown")
+          f"both, device {rates.device_memory / 1e12:.2f} TB/s, host memory {rates.host_memory / 1e9:.0f} GB/s"
           + (f" and its kernel measured on {rates.host_threads} threads" if rates.host_kernel else "")
           + f" ({rates.source})")
     print(format_table(rows))
