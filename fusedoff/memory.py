@@ -39,7 +39,7 @@ from fusedoff.offload.placement import Placement
 from fusedoff.offload.plan import round_up
 from fusedoff.offload.runtime import LinkBytes
 from fusedoff.formats import check_master_options, check_master_param
-from fusedoff.offload.contract import StateSpec
+from fusedoff.offload.contract import Phase, StateSpec
 from fusedoff.optim.adam import Adam, AdamW
 from fusedoff.optim.apollo import Apollo
 from fusedoff.optim.base import keeps_master, master_spec
@@ -154,13 +154,12 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
     """
     if setup not in SETUPS:
         raise ValueError(f"setup must be one of {SETUPS}, got {setup!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    _class_of(optimizer)
     if optimizer == "apollo" and amsgrad:
         raise ValueError("amsgrad is an Adam option")
     if offload not in ("auto", "none", "stream"):
         raise ValueError(f"offload must be 'auto', 'none' or 'stream', got {offload!r}")
-    specs = _state_specs(setup, optimizer, state_precision, amsgrad)
+    specs = state_specs_of(optimizer, state_precision, amsgrad=amsgrad, setup=setup)
     check_master_options(master_precision, master_weights)
     if setup != "fusedoff" and master_precision != "fp32":
         raise ValueError(f"master_precision={master_precision!r} is a fusedoff option: setup={setup!r} keeps fp32 masters")
@@ -187,9 +186,10 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
         on_device[MASTERS] = _bytes(params, fp32)
         on_device[FP32_GRADS] = _bytes(params, fp32)
     else:
+        phases = phases_of(optimizer, state_precision, amsgrad=amsgrad, options=options)
         streams, streamed, link = _predict_fusedoff(params, on_device, host, specs, master_weights, master_precision,
                                                     offload, device_type, chunk_size, num_buffers, device_budget,
-                                                    _phases_of(optimizer, amsgrad, state_precision, options or {}))
+                                                    phases)
     if label is None:
         label = {"fusedoff": "fusedoff " + ("stream" if streams else "none"), "plain": "plain",
                  "upcast": "fp32 upcast"}[setup]
@@ -201,24 +201,37 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
                             streamed, link.as_dict())
 
 
-def _state_specs(setup: str, optimizer: str, state_precision: str, amsgrad: bool) -> tuple[StateSpec, ...]:
-    """The states one parameter keeps besides its master weights, as the optimizer class stores them
-    (refusing what the class refuses)."""
+def _class_of(optimizer: str) -> type:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    return _CLASSES[optimizer]
+
+
+def state_specs_of(optimizer: str, state_precision: str = "fp32", *, amsgrad: bool = False,
+                   setup: str = "fusedoff") -> tuple[StateSpec, ...]:
+    """The states one parameter keeps besides its master weights, as the optimizer class (one of
+    `OPTIMIZERS`) stores them in `setup` (refusing what the class refuses)."""
+    if setup not in SETUPS:
+        raise ValueError(f"setup must be one of {SETUPS}, got {setup!r}")
     if setup != "fusedoff" and state_precision != "fp32":
         kept = "in the parameters' dtype" if setup == "plain" else "in fp32"
         raise ValueError(f"state_precision={state_precision!r} is a fusedoff option: setup={setup!r} keeps its "
                          f"states {kept} (state_precision='fp32')")
-    cls = _CLASSES[optimizer]
+    cls = _class_of(optimizer)
     group = {"state_precision": state_precision, "amsgrad": amsgrad}
     cls._check_state_options(group)
     return cls._state_specs(group)
 
 
-def _phases_of(optimizer: str, amsgrad: bool, state_precision: str, options: dict) -> Callable:
-    """names -> the phases the optimizer class declares for a bucket keeping states `names`."""
-    cls = _CLASSES[optimizer]
+def phases_of(optimizer: str, state_precision: str = "fp32", *, amsgrad: bool = False,
+              options: dict | None = None) -> Callable[[tuple[str, ...]], tuple[Phase, ...]]:
+    """names -> the phases the optimizer class declares for a bucket keeping the states (and master)
+    named; `options` are the class's other arguments (Apollo's ``weight_decay``, ``rebound``, ...),
+    checked now as the class checks them."""
+    cls = _class_of(optimizer)
+    options = dict(options or {})
     if optimizer != "apollo":
-        options = dict(options, amsgrad=amsgrad, state_precision=state_precision)
+        options.update(amsgrad=amsgrad, state_precision=state_precision)
     group = cls._default_options(**{"lr": 1e-3, **options})  # (refusing what the class refuses)
     return lambda names: cls._phases(group, names)
 

@@ -224,6 +224,23 @@ def test_state_precision_refused_where_the_setup_does_not_take_it():
         memory.predict(params, state_precision="int4")
 
 
+@pytest.mark.parametrize("kind,precision", KINDS, ids=KIND_IDS)
+def test_state_specs_and_phases_are_the_optimizers_own(kind, precision):
+    """The public names the cost model reads (memory.state_specs_of, memory.phases_of) give what a real
+    optimizer keeps and declares."""
+    param = torch.nn.Parameter(torch.randn(300))
+    param.grad = torch.randn(300)
+    opt = make_optimizer(kind, precision, [param])
+    opt.step()
+    specs = memory.state_specs_of(kind, precision)
+    assert {s.name for s in specs} == set(opt.state[param]) - {"step"}
+    names = tuple(s.name for s in specs)
+    group = opt.param_groups[0]
+    assert memory.phases_of(kind, precision)(names) == type(opt)._phases(group, names)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        memory.state_specs_of("sgd")
+
+
 def test_the_label_and_the_table_say_a_compressed_precision():
     params = make_params(((1024, 1024),), torch.bfloat16, grads=True)
     eight = memory.predict(params, offload="stream", device="cuda", state_precision="8bit")
