@@ -163,7 +163,8 @@ class HostShare:
         """Steps 1 and 2 of [note: the host share of a step]: the copies down, and the worker's task."""
         rt, down = bucket.runtime, bucket.pipeline.copy_out
         rt.wait_stream(down, rt.current_stream())  # gradients, steps, scale and found_inf: made on main
-        rt.copy_to_host(down, self.steps, bucket.step_counts)
+        for begin, end in _runs(run.tensors):  # (only theirs: streamed chunks read the others meanwhile)
+            rt.copy_to_host(down, self.steps[begin:end], bucket.step_counts[begin:end])
         sources = [t for t in (run.divisor, run.found_inf) if t is not None]
         for host, device in zip([t for t in (run.update.grad_scale, run.update.found_inf) if t is not None], sources):
             rt.copy_to_host(down, host, device)
@@ -215,6 +216,17 @@ class HostShare:
             bucket.runtime.wait_host_compute(task)
         finally:
             bucket.runtime.synchronize(self.copied_up)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive values of the increasing `indices`, as [begin, end) ranges."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(begin, end) for begin, end in runs]
 
 
 def _host_like(buffer: Tensor, value: Tensor) -> Tensor:
