@@ -20,6 +20,7 @@ import torch
 
 import fusedoff
 from fusedoff.offload import runtimes
+from fusedoff.offload import host_share
 from fusedoff.offload.host_share import HostShare
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
@@ -137,6 +138,25 @@ def test_every_share_gives_the_bits_of_share_0(case, placement):
         (got, got_seen, _), sims = simulated(make, dtype, share, seed=int(share * 10))
         assert_bitwise_equal((got, got_seen), want, f"share {share}, simulated")
         assert (sum(sim.host_tasks for sim in sims) > 0) == (placement != "resident")
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("case", [case for case in CASES if not case.startswith("Apollo")])
+def test_the_host_kernels_give_the_cuda_kernels_bits(case, monkeypatch):
+    """On a GPU, streamed and resident tensors run the CUDA kernels and host-computed ones the host
+    kernels: here the CUDA kernels compiled for the host (backend 'cuda_emulated') beside the host
+    kernels, as on a GPU, give the same bits in the elementwise updates. (Apollo's whole-tensor sums
+    are summed in each backend's own order: on a GPU its host share is not bit for bit, as its
+    streamed and resident steps are not either; see tests/test_stream_simulation.py.)"""
+    monkeypatch.setattr(host_share, "host_backend", lambda backend: "cpu")
+    cls, kwargs, dtype = CASES[case]
+
+    def make(groups, share):
+        return cls(groups, **kwargs, **PLACEMENTS["streamed"], backend="cuda_emulated", host_share=share)
+
+    want = training_run(make, dtype, 0.0)[:2]
+    for share in SHARES:
+        assert_bitwise_equal(training_run(make, dtype, share)[:2], want, f"share {share}")
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "Apollo"])

@@ -2,8 +2,9 @@
 
 The engine orchestrates; its parts own their jobs. `Placement` (placement.py) forms the buckets
 (bucket.py), decides the budgets and places each bucket's tensors: resident within the device
-budget, streamed beyond it, or part of the streamed ones stepped by the host (host_share.py). Each bucket keeps ``opt.state`` and its placed states one (adoption),
-its master weights following their parameters, and cuts its fused calls' ranges. `DeviceRuntimes`
+budget, streamed beyond it, a share of the streamed ones stepped by the host where their states
+live (host_share.py). Each bucket keeps ``opt.state`` and its placed states one (adoption), its
+master weights following their parameters, and cuts its fused calls' ranges. `DeviceRuntimes`
 (runtimes.py) holds the device runtimes, which count the bytes they copy. `ForwardSchedule`
 (schedule.py) orders the chunks when the step overlaps the next forward (fusedoff/optim/overlap.py).
 What the engine does itself is the step, as a transaction (see [note: the step as a

@@ -177,9 +177,10 @@ class HostShare:
         update, calls = run.update, run.calls
 
         def compute() -> None:
-            for phase in update.phases:  # whole tensors: each phase sees the previous one's sums
-                for args in calls:
-                    ops.run_update(update, phase, args)
+            with torch.no_grad():  # (grad mode is per thread: the worker's is not the step's)
+                for phase in update.phases:  # whole tensors: each phase sees the previous one's sums
+                    for args in calls:
+                        ops.run_update(update, phase, args)
 
         writes = run.touched
         self.task = rt.host_compute(compute, after=self._copied_down(rt, down), reads=writes, writes=writes)

@@ -1,11 +1,11 @@
 """Placement: which tensors' states stay on the parameters' device and which stream from host memory.
 
 `Placement` holds one engine's buckets (bucket.py: the parameters of one param group that share a
-device, dtype and states) and the budgets that placed them (and the host share, see [note: the
-host share]): it forms the buckets from the param
+device, dtype and states) and the budgets that placed them: it forms the buckets from the param
 groups and drops them when their members or storage change, decides the automatic budgets, places
-each bucket (its chunk plan, host store and the device's stream pipeline), and predicts, by the
-same rules, what `fusedoff.memory.predict` asks: the placement and the bytes of a step.
+each bucket (its chunk plan, host store and the device's stream pipeline, and its host share: see
+[note: the host share]), and predicts, by the same rules, what `fusedoff.memory.predict` asks: the
+placement and the bytes of a step (without a host share: see the note).
 
 [note: placement order] Within a device's byte budget, parameters are placed in the order of
 `param_groups` and their `params` (buckets in the order they first step): each parameter's states
@@ -20,7 +20,8 @@ after the budget placed the bucket, among its streamed tensors (never a resident
 budget is spent first, as without a share) in placement order: the longest prefix of them whose
 elements add up to at most the share of all their elements (0: none, today's placement exactly;
 1: all). Sharded tensors are skipped (they stay streamed). A share that changes between steps
-places every state afresh at that step, keeping its value, as a new budget does.
+places every state afresh at that step, keeping its value, as a new budget does. The predictions
+(`predict_placement`, `predict_link`) do not know the share yet: they are those of share 0.
 
 [note: automatic budget] With offload="auto" and no budget given, the budget for a CUDA device is
 decided at the first step(): the device's total memory, less the peak that this process allocated

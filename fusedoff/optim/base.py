@@ -279,8 +279,15 @@ class FusedOptimizer(Optimizer):
         (over the optimizer's life), each ``{"to_device": bytes, "to_host": bytes}``;
         ``streamed_params_last_step``, the parameter elements whose states streamed in the last
         step, and ``link_bytes_per_param_last_step``, the bytes per such element each way (None when
-        nothing streamed). ``streamed_params``: the parameter elements whose states live in host
-        memory, and ``host_bytes_per_param`` their host bytes per element (None when none do).
+        nothing streamed). ``streamed_params``: the parameter elements whose states stream from
+        host memory, and ``host_bytes_per_param`` their host bytes per element (None when none do).
+
+        The host share (``host_share``): ``host_computed_params``, the parameter elements whose
+        states the host steps in host memory; ``host_computed_bytes``, those states' bytes (in
+        ``host_bytes``, not in ``streamed_bytes``); ``host_share_buffer_bytes``, the page-locked
+        buffers of their parameters, gradients and step counts. ``streamed_params_last_step``
+        counts the host-computed elements of that step too (their gradients and parameters
+        crossed the link).
         """
         return self._engine.memory_stats()
 
