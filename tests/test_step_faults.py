@@ -35,7 +35,7 @@ from tests.helpers import ParameterListModel, bits
 # 300 elements cross an 8-bit block (256); a 0-d tensor; sizes that are no multiple of a chunk.
 SHAPES = ((20, 15), (33,), (5, 33), ())
 STEPS = 3
-PLACEMENTS = ("resident", "streamed", "mixed", "simulated", "overlap", "host-share")
+PLACEMENTS = ("resident", "streamed", "mixed", "simulated", "overlap", "simulated-host-share")
 
 OPTIMIZERS = [pytest.param("AdamW", torch.float32, precision, "fp32", id=f"AdamW-fp32-{precision}")
               for precision in ("fp32", "bf16", "8bit")]
@@ -59,7 +59,7 @@ class Run:
             where = dict(offload="none")
         elif placement == "mixed":  # greedily in order: (33,) and () resident, the others streamed
             where = dict(offload="stream", chunk_size=256, device_budget=600)
-        elif placement == "host-share":  # (20, 15) and (33,) host-computed, the others streamed (simulated)
+        elif placement == "simulated-host-share":  # (20, 15) and (33,) host-computed, the others streamed (simulated)
             where = dict(offload="stream", chunk_size=256, host_share=0.7)
         else:
             where = dict(offload="stream", chunk_size=256)
@@ -76,7 +76,7 @@ class Run:
         self.steps = 0
 
     def _runtime(self):
-        simulated = self.placement in ("simulated", "overlap", "host-share")
+        simulated = self.placement in ("simulated", "overlap", "simulated-host-share")
 
         def factory(device):
             inner = SimulatedRuntime(device, seed=11) if simulated else HostRuntime(device)

@@ -284,7 +284,8 @@ class OffloadEngine:
         for bucket in self.buckets.values():
             if bucket.host is not None:
                 rt = bucket.runtime
-                rt.wait_event(rt.current_stream(), bucket.host.finish(bucket))
+                copied_up = bucket.host.finish(bucket)
+                rt.wait_event(rt.current_stream(), copied_up)
 
     def wait_for(self, key: Hashable, params: Sequence[Tensor]) -> None:
         """The main stream waits for the chunks holding `params` (see ForwardSchedule.wait_for)."""
@@ -351,7 +352,8 @@ class OffloadEngine:
             pipeline.wait_host()
         for bucket in self.buckets.values():  # the host's share: its worker, and its copies back (the
             if bucket.host is not None:  # parameters: the host may write them next, as load_state_dict does)
-                bucket.runtime.synchronize(bucket.host.finish(bucket))
+                copied_up = bucket.host.finish(bucket)
+                bucket.runtime.synchronize(copied_up)
         self._host_pending = False
         for bucket in self.buckets.values():  # what the host may now read (recorded by the simulator)
             stores = [s for s in (bucket.store, bucket.host and bucket.host.store) if s is not None]

@@ -188,7 +188,8 @@ class HostShare:
 
     def _copied_down(self, rt: Runtime, down):
         """The event the worker waits for: the copies down are done."""
-        return rt.record(down)
+        loaded = rt.record(down)
+        return loaded
 
     def _wait_for_worker(self, rt: Runtime) -> None:
         """The host waits for the worker's task (before the copy back reads what it wrote)."""

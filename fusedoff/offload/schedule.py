@@ -48,7 +48,8 @@ class ForwardSchedule:
             for c in chunks:
                 rt.wait_event(main, done.get(c))
             if hosted:  # the host waits for its worker, then main for the copies back
-                rt.wait_event(main, bucket.host.finish(bucket))
+                copied_up = bucket.host.finish(bucket)
+                rt.wait_event(main, copied_up)
 
     def passes(self, buckets: Sequence[Bucket], chunks: Sequence[list[Chunk]]) -> list[tuple[int, list[Chunk]]]:
         """The single-pass chunks of a step's buckets (`chunks[k]` of `buckets[k]`) in the order the
