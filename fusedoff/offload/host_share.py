@@ -31,7 +31,7 @@ are completed over ranks on the main stream between phases).
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -211,8 +211,9 @@ class HostShare:
         return self.copied_up
 
     def settle(self, bucket) -> None:
-        """After a failure among a step's changes: the worker's task done (its error dropped: the
-        first failure is the one raised), no copy back queued."""
+        """After a failure among a step's changes: the worker's task done and the last copy back too,
+        no copy back queued (raises what the task raised: the engine warns, the first failure being
+        the one it raises)."""
         task, self.task, self._to_copy_up = self.task, None, []
         try:
             bucket.runtime.wait_host_compute(task)
