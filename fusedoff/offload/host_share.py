@@ -211,14 +211,11 @@ class HostShare:
         return self.copied_up
 
     def settle(self, bucket) -> None:
-        """After a failure among a step's changes: the worker's task done and the last copy back too,
-        no copy back queued (raises what the task raised: the engine warns, the first failure being
-        the one it raises)."""
+        """After a failure among a step's changes: the worker's task done, no copy back queued (the
+        copies back queued before are the pipeline's to settle); raises what the task raised (the
+        engine warns, the first failure being the one it raises)."""
         task, self.task, self._to_copy_up = self.task, None, []
-        try:
-            bucket.runtime.wait_host_compute(task)
-        finally:
-            bucket.runtime.synchronize(self.copied_up)
+        bucket.runtime.wait_host_compute(task)
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
