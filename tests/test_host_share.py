@@ -22,10 +22,11 @@ import fusedoff
 from fusedoff.offload import runtimes
 from fusedoff.offload import host_share
 from fusedoff.offload.host_share import HostShare
+from fusedoff.offload.runtime import HostRuntime
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
 from tests import test_overlap
-from tests.helpers import assert_bitwise_equal, make_params
+from tests.helpers import ParameterListModel, assert_bitwise_equal, make_params, train
 
 # The first tensors small: a share of 0.3 takes the first one or two streamed tensors, whatever the budget holds.
 SHAPES = [(7,), (40,), (33, 5), (16,), (300,), ()]
@@ -239,3 +240,82 @@ def test_share_0_places_as_before_and_a_share_moves_only_streamed_tensors():
     assert host_computed([7, 40, 165, 16], [True] * 4, 0.3) == [True, True, False, False]  # 47 <= 68.4 < 212
     assert host_computed([7, 40, 165, 16], [False, True, True, True], 0.3) == [False, True, False, False]
     assert host_computed([300, 7], [True, True], 0.5) == [False, False]  # a prefix: the first misfit ends it
+
+
+def test_the_cuda_runtime_s_worker_runs_its_tasks_in_order_off_the_calling_thread():
+    """The CUDA runtime's host worker (no GPU needed without events): a thread of its own, tasks in
+    the order given, the caller going on meanwhile, a task's error raised by the wait for it."""
+    import threading
+
+    from fusedoff.offload.cuda_runtime import CudaRuntime
+
+    rt = CudaRuntime(torch.device("cuda", 0))
+    seen, gate = [], threading.Event()
+    rt.host_compute(lambda: (gate.wait(10), seen.append(threading.current_thread().name)), after=None)
+    second = rt.host_compute(lambda: seen.append("second"), after=None)
+    seen.append("the caller went on")
+    gate.set()
+    rt.wait_host_compute(second)
+    assert seen[0] == "the caller went on" and seen[1].startswith("fusedoff-host") and seen[2] == "second"
+    with pytest.raises(ZeroDivisionError):
+        rt.wait_host_compute(rt.host_compute(lambda: 1 / 0, after=None))
+
+
+class _DeferredWorker(HostRuntime):
+    """The host loopback with a worker that runs a task when the host first waits for it (as a
+    thread that has not finished before the wait), its error raised by every wait."""
+
+    def host_compute(self, fn, *, after, reads=(), writes=()):
+        return [fn, None]
+
+    def wait_host_compute(self, task) -> None:
+        if task is None:
+            return
+        if task[0] is not None:
+            fn, task[0] = task[0], None
+            try:
+                fn()
+            except Exception as error:
+                task[1] = error
+        if task[1] is not None:
+            raise task[1]
+
+
+@pytest.mark.parametrize("placement", ["loopback", "simulated", "overlapped"])
+def test_a_worker_task_that_failed_leaves_the_step_incomplete(placement, monkeypatch):
+    """Found when the host waits for it (the end of the step, or under overlap_with the wait for
+    the step, here a checkpoint's): every later step and checkpoint refuses, as after any failure
+    among a step's changes."""
+    model = ParameterListModel(SHAPES, torch.float32)
+    params = list(model.parameters())
+    if placement != "loopback":
+        factory = _DeferredWorker if placement == "overlapped" else lambda device: SimulatedRuntime(device, seed=3)
+        monkeypatch.setattr(runtimes, "_simulated", factory)
+    opt = fusedoff.AdamW(params, offload="stream", chunk_size=32, backend="cpu", host_share=1.0)
+    if placement == "overlapped":
+        opt.overlap_with(model)
+
+    def fail(update, phase, args):
+        raise RuntimeError("a host kernel failed")
+
+    train(params, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    want = [p.detach().clone() for p in params]
+    failing = monkeypatch.context()
+    with failing as patched:
+        patched.setattr(host_share, "ops", type("FailingOps", (), {"run_update": staticmethod(fail)}))
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with pytest.raises((StepIncompleteError, RuntimeError), match="a host kernel failed"):
+            opt.step()
+            opt.state_dict()  # (a worker that runs the task later: found here)
+    with pytest.raises(StepIncompleteError):
+        opt.step()
+    with pytest.raises(StepIncompleteError):
+        opt.state_dict()
+    with torch.no_grad():  # the checkpoint before the failed step: the run goes on from it
+        for p, value in zip(params, want):
+            p.copy_(value)
+    opt.load_state_dict(saved)
+    train(params, opt, range(1, 3))
+    assert opt.state_dict()["state"][0]["step"] == 3

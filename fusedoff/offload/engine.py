@@ -119,8 +119,8 @@ class OffloadEngine:
         `scaling(device)` the gradient divisor (GradScaler's scale, clipping) and found_inf there.
         Gradients, parameters, options and every bucket's update are checked and made before any
         state, step count or parameter changes."""
-        if self.schedule.order is not None:  # the previous step's chunks: done before this one counts steps
-            self.join()
+        if self.schedule.order is not None and self.incomplete is None:  # the previous step's chunks: done
+            self.join()  # before this one counts steps
         if self.incomplete is not None:
             raise StepIncompleteError(self.incomplete)
         self.runtimes.step_started()
@@ -284,12 +284,24 @@ class OffloadEngine:
         for bucket in self.buckets.values():
             if bucket.host is not None:
                 rt = bucket.runtime
-                copied_up = bucket.host.finish(bucket)
+                copied_up = self._finish_host_share(bucket)
                 rt.wait_event(rt.current_stream(), copied_up)
+
+    def _finish_host_share(self, bucket: Bucket):
+        """`bucket`'s host share finished (HostShare.finish): the event of its copies back. A task
+        of the worker that failed left its step half done: every later step refuses to run, as
+        after a failure among a step's changes (an interrupt of the wait leaves the task to wait
+        for again)."""
+        try:
+            return bucket.host.finish(bucket)
+        except Exception as error:
+            if self.incomplete is None:
+                self.incomplete = incomplete_message(error)
+            raise
 
     def wait_for(self, key: Hashable, params: Sequence[Tensor]) -> None:
         """The main stream waits for the chunks holding `params` (see ForwardSchedule.wait_for)."""
-        self.schedule.wait_for(key, params, self.placement)
+        self.schedule.wait_for(key, params, self.placement, self._finish_host_share)
 
     def _run_in_forward_order(self, runs: list[BucketRun]) -> None:
         """Every bucket's step with the chunks of single-pass updates interleaved across buckets in
@@ -352,7 +364,7 @@ class OffloadEngine:
             pipeline.wait_host()
         for bucket in self.buckets.values():  # the host's share: its worker, and its copies back (the
             if bucket.host is not None:  # parameters: the host may write them next, as load_state_dict does)
-                copied_up = bucket.host.finish(bucket)
+                copied_up = self._finish_host_share(bucket)
                 bucket.runtime.synchronize(copied_up)
         self._host_pending = False
         for bucket in self.buckets.values():  # what the host may now read (recorded by the simulator)

@@ -201,7 +201,11 @@ class HostShare:
         if self.task is None and not self._to_copy_up:
             return self.copied_up
         rt = bucket.runtime
-        self._wait_for_worker(rt)
+        try:
+            self._wait_for_worker(rt)
+        except Exception:  # its step is half done (the engine says so): nothing to copy back, or wait for again
+            self.task, self._to_copy_up = None, []
+            raise
         self.task = None
         up = bucket.pipeline.copy_in
         for t in self._to_copy_up:

@@ -9,7 +9,7 @@ host waited for its worker: see [note: the host share of a step] in host_share.p
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
@@ -32,9 +32,11 @@ class ForwardSchedule:
         self.order = order
         self._waits.clear()
 
-    def wait_for(self, key: Hashable, params: Sequence[Tensor], placement: Placement) -> None:
+    def wait_for(self, key: Hashable, params: Sequence[Tensor], placement: Placement,
+                 finish_host_share: Callable[[Bucket], object]) -> None:
         """The main stream waits for the chunks holding `params` (their last step's update); resident
-        parameters were updated on the main stream already. `key` names the set for the cache."""
+        parameters were updated on the main stream already; host-computed ones wait for the event
+        `finish_host_share(bucket)` gives (the engine's). `key` names the set for the cache."""
         if self._generation != placement.generation:  # buckets placed or dropped since
             self._waits.clear()
             self._generation = placement.generation
@@ -48,7 +50,7 @@ class ForwardSchedule:
             for c in chunks:
                 rt.wait_event(main, done.get(c))
             if hosted:  # the host waits for its worker, then main for the copies back
-                copied_up = bucket.host.finish(bucket)
+                copied_up = finish_host_share(bucket)
                 rt.wait_event(main, copied_up)
 
     def passes(self, buckets: Sequence[Bucket], chunks: Sequence[list[Chunk]]) -> list[tuple[int, list[Chunk]]]:

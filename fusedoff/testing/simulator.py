@@ -77,9 +77,11 @@ class _Event:
 
 @dataclass
 class _HostTask:
-    """A task given to the host worker: complete with its event."""
+    """A task given to the host worker: complete with its event; what it raised, raised by the wait
+    for it (as a thread's error is, by the host that joins it)."""
 
-    event: _Event
+    event: _Event | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -200,17 +202,24 @@ class SimulatedRuntime(Runtime):
             worker = self._host_worker = _Timeline(len(self.timelines), "host worker", {}, side=True)
             self.timelines.append(worker)
         self.wait_event(worker, after)
+        task = _HostTask()
 
         def run() -> None:
-            fn()
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 (raised by the host's wait, not by the scheduler)
+                task.error = error
             self.host_tasks += 1
 
         self._enqueue(worker, _Op("host compute on the host worker", run=run), reads=reads, writes=writes)
-        return _HostTask(self.record(worker))
+        task.event = self.record(worker)
+        return task
 
     def wait_host_compute(self, task: _HostTask | None) -> None:
         if task is not None:
             self.synchronize(task.event)
+            if task.error is not None:
+                raise task.error
 
     def empty(self, numel: int) -> Tensor:
         buffer = torch.full((numel,), float("nan"), dtype=torch.float32, device=self.device)  # poison
