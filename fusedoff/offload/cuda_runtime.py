@@ -67,8 +67,12 @@ class CudaRuntime(Runtime):
         return worker.submit(task)
 
     def wait_host_compute(self, task) -> None:
-        if task is not None:
-            task.result()  # (one thread in order: every earlier task is done too)
+        if task is None:
+            return
+        error = task.exception()  # (one thread in order: every earlier task is done too)
+        if error is not None and not getattr(task, "fusedoff_error_raised", False):
+            task.fusedoff_error_raised = True
+            raise error
 
     def empty(self, numel: int) -> Tensor:
         return torch.empty(numel, dtype=torch.float32, device=self.device)

@@ -201,11 +201,7 @@ class HostShare:
         if self.task is None and not self._to_copy_up:
             return self.copied_up
         rt = bucket.runtime
-        try:
-            self._wait_for_worker(rt)
-        except Exception:  # its step is half done (the engine says so): nothing to copy back, or wait for again
-            self.task, self._to_copy_up = None, []
-            raise
+        self._wait_for_worker(rt)  # (if it raises, the task is waited for again next time)
         self.task = None
         up = bucket.pipeline.copy_in
         for t in self._to_copy_up:
@@ -218,8 +214,9 @@ class HostShare:
         """After a failure among a step's changes: the worker's task done, no copy back queued (the
         copies back queued before are the pipeline's to settle); raises what the task raised (the
         engine warns, the first failure being the one it raises)."""
-        task, self.task, self._to_copy_up = self.task, None, []
-        bucket.runtime.wait_host_compute(task)
+        self._to_copy_up = []
+        bucket.runtime.wait_host_compute(self.task)
+        self.task = None
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

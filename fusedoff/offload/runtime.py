@@ -127,7 +127,7 @@ class Runtime:
 
     def wait_host_compute(self, task) -> None:
         """The host waits for `task` (a `host_compute`'s) and every task given before it; raises
-        what the task raised."""
+        what the task raised, at the first wait for it only (a later wait finds it done)."""
 
     # memory
     def empty(self, numel: int) -> Tensor:

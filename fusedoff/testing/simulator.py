@@ -77,8 +77,8 @@ class _Event:
 
 @dataclass
 class _HostTask:
-    """A task given to the host worker: complete with its event; what it raised, raised by the wait
-    for it (as a thread's error is, by the host that joins it)."""
+    """A task given to the host worker: complete with its event; what it raised, raised by the first
+    wait for it (as a thread's error is, by the host that joins it)."""
 
     event: _Event | None = None
     error: Exception | None = None
@@ -218,8 +218,9 @@ class SimulatedRuntime(Runtime):
     def wait_host_compute(self, task: _HostTask | None) -> None:
         if task is not None:
             self.synchronize(task.event)
-            if task.error is not None:
-                raise task.error
+            error, task.error = task.error, None  # (raised at the first wait only)
+            if error is not None:
+                raise error
 
     def empty(self, numel: int) -> Tensor:
         buffer = torch.full((numel,), float("nan"), dtype=torch.float32, device=self.device)  # poison
