@@ -4,8 +4,9 @@ states live.
 A bucket is formed when its group first steps and placed then (placement.py): each tensor's states
 are resident device tensors or views of a HostStateStore laid out by a ChunkPlan, moved through
 the device's StreamPipeline, or (host-computed) views of its `HostShare`'s store, stepped by the
-host kernels where they are (host_share.py). Either way they are the entries of ``opt.state[p]`` (device tensors,
-or views of the host store, never copies), so torch's machinery sees one source of truth.
+host kernels where they are (host_share.py). Either way they are the entries of ``opt.state[p]``
+(device tensors, or views of a host store, never copies), so torch's machinery sees one source of
+truth.
 
 The bucket follows what ``opt.state`` holds (`adopt`): a missing state starts afresh, an assigned
 tensor is taken by value into its place, an in-place edit is the state itself. The kernels follow
