@@ -3,7 +3,8 @@ operation of a step, as the real runtime fails there (see [note: the step as a t
 fusedoff/offload/transaction.py).
 
 Every operation the engine asks of a device counts: allocation (`empty`), pinning, copies, kernel
-launches, streams, events, waits and host synchronisations, memory figures. A fault is either the error the real runtime raises there
+launches, streams, events, waits and host synchronisations, the host worker's tasks and the waits
+for them, memory figures. A fault is either the error the real runtime raises there
 (``torch.OutOfMemoryError`` for an allocation, ``RuntimeError`` for anything else) or a SIGINT
 delivered at that moment (Ctrl-C: Python raises KeyboardInterrupt there unless a handler holds it).
 """
@@ -101,6 +102,14 @@ class FaultyRuntime(Runtime):
     def launch(self, stream, fn, *, reads=(), writes=()) -> None:
         self.faults.operation("launch")
         self.inner.launch(stream, fn, reads=reads, writes=writes)
+
+    def host_compute(self, fn, *, after, reads=(), writes=()):
+        self.faults.operation("host_compute")
+        return self.inner.host_compute(fn, after=after, reads=reads, writes=writes)
+
+    def wait_host_compute(self, task) -> None:
+        self.faults.operation("wait_host_compute")
+        self.inner.wait_host_compute(task)
 
     def empty(self, numel: int):
         self.faults.operation("empty")

@@ -55,9 +55,11 @@ def record_forward_reads(model, sims):
 
 
 def training_run(dtype, precision, placement, *, overlap, seed=0, set_to_none=True, remove_at=None, optimizer="AdamW",
-          read_state=False):
+          read_state=False, options=None):
     """`read_state`: read every state right after each step (a host synchronisation, which orders
-    everything the main stream does after it: off, the waits alone order the next forward)."""
+    everything the main stream does after it: off, the waits alone order the next forward);
+    `options`: more of the optimizer's (tests/test_host_share.py's ``host_share``)."""
+    options = {**PLACEMENTS[placement], **(options or {})}
     sims = []
 
     def factory(device):
@@ -70,9 +72,9 @@ def training_run(dtype, precision, placement, *, overlap, seed=0, set_to_none=Tr
         biases = [layer.bias for layer in model.layers]
         groups = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
         if optimizer == "Apollo":  # several phases: tensors spanning chunks take a pass per phase
-            opt = fusedoff.Apollo(groups, lr=1e-2, warmup=2, rebound="belief", **PLACEMENTS[placement])
+            opt = fusedoff.Apollo(groups, lr=1e-2, warmup=2, rebound="belief", **options)
         else:
-            opt = fusedoff.AdamW(groups, lr=1e-2, weight_decay=0.1, state_precision=precision, **PLACEMENTS[placement])
+            opt = fusedoff.AdamW(groups, lr=1e-2, weight_decay=0.1, state_precision=precision, **options)
         handle = opt.overlap_with(model) if overlap else None
         record_forward_reads(model, sims)
         gen = torch.Generator().manual_seed(1)

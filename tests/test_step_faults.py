@@ -4,7 +4,8 @@ fusedoff/offload/transaction.py).
 A fault is injected through the runtime seam (tests/faults.py) at every operation index of a step,
 both kinds (the error the real runtime raises there, and a SIGINT), at the first step (placement,
 pinning, buffers) and at a later one, for AdamW in every state and master precision and for Apollo,
-resident, streamed, mixed, on the simulated device and with the step overlapping the next forward.
+resident, streamed, mixed, on the simulated device, with the step overlapping the next forward and
+with a host share (host-computed tensors beside streamed ones, simulated).
 
 The oracle is the same run without a fault: after an error the optimizer and the parameters equal
 their state before the step bit for bit and the retried step equals the unfaulted step bit for bit;
@@ -34,7 +35,7 @@ from tests.helpers import ParameterListModel, bits
 # 300 elements cross an 8-bit block (256); a 0-d tensor; sizes that are no multiple of a chunk.
 SHAPES = ((20, 15), (33,), (5, 33), ())
 STEPS = 3
-PLACEMENTS = ("resident", "streamed", "mixed", "simulated", "overlap")
+PLACEMENTS = ("resident", "streamed", "mixed", "simulated", "overlap", "simulated-host-share")
 
 OPTIMIZERS = [pytest.param("AdamW", torch.float32, precision, "fp32", id=f"AdamW-fp32-{precision}")
               for precision in ("fp32", "bf16", "8bit")]
@@ -58,6 +59,8 @@ class Run:
             where = dict(offload="none")
         elif placement == "mixed":  # greedily in order: (33,) and () resident, the others streamed
             where = dict(offload="stream", chunk_size=256, device_budget=600)
+        elif placement == "simulated-host-share":  # (20, 15) and (33,) host-computed, the others streamed (simulated)
+            where = dict(offload="stream", chunk_size=256, host_share=0.7)
         else:
             where = dict(offload="stream", chunk_size=256)
         if optimizer == "Apollo":
@@ -73,7 +76,7 @@ class Run:
         self.steps = 0
 
     def _runtime(self):
-        simulated = self.placement in ("simulated", "overlap")
+        simulated = self.placement in ("simulated", "overlap", "simulated-host-share")
 
         def factory(device):
             inner = SimulatedRuntime(device, seed=11) if simulated else HostRuntime(device)

@@ -1,14 +1,16 @@
 """Proof that the stream simulation can fail: remove each single wait or event record of the engine.
 
-For every line of fusedoff/offload/pipeline.py, engine.py, schedule.py and bucket.py (and
-fusedoff/optim/base.py) that orders device work (a wait on an event or a stream, an event record, a
-host synchronisation, the main stream's join, the host's wait before writing into the store), this
+For every line of fusedoff/offload/pipeline.py, engine.py, schedule.py, bucket.py and host_share.py
+(and fusedoff/optim/base.py) that orders device work (a wait on an event or a stream, an event
+record, a host synchronisation, the main stream's join, the host's wait before writing into the
+store, the host's wait for its worker), this
 script copies the package to a scratch folder, removes that one line's effect, runs
-tests/test_stream_simulation.py and tests/test_overlap.py (and the simulated cases of
+tests/test_stream_simulation.py and tests/test_overlap.py and tests/test_host_share.py (and the simulated cases of
 tests/test_outside_writes.py and tests/test_step_faults.py) against the copy, and reports whether
 the tests failed (caught: by the race checker, or by a wrong value) or passed (missed).
 
     .venv/bin/python tools/stream_mutations.py            # prints "N of M single-wait removals caught"
+    .venv/bin/python tools/stream_mutations.py host_share  # only the files whose path holds one of these
 
 Exit status 0 when every removal is caught. It takes a few minutes (a missed removal runs the
 whole simulation file); it is not part of every CI run.
@@ -28,12 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedoff/offload/schedule.py",
-           "fusedoff/offload/bucket.py", "fusedoff/optim/base.py")
+           "fusedoff/offload/bucket.py", "fusedoff/offload/host_share.py", "fusedoff/optim/base.py")
 # (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
 RULES = (
     (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)([\w\[\]\.\(\)]+) = (rt|self\.runtime)\.record\(.*\)\s*(#.*)?$"), r"\1\2 = None  # MUTATED"),
-    (re.compile(r"^(\s*)self\.runtime\.synchronize\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)(\w+\.)?runtime\.synchronize\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
+    (re.compile(r"^(\s*)(rt|(\w+\.)?runtime)\.wait_host_compute\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)self\.before_host_write\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)(\w+\.)*pipeline\.join\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)self\.(_engine\.)?join\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
@@ -87,7 +90,7 @@ def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
     # those of the fault tests: after a failure among a step's changes, the host writes a loaded
     # checkpoint into the store once the pipeline has settled.
     test = subprocess.run([sys.executable, "-m", "pytest", "tests/test_stream_simulation.py", "tests/test_outside_writes.py",
-                           "tests/test_overlap.py", "tests/test_step_faults.py",
+                           "tests/test_overlap.py", "tests/test_host_share.py", "tests/test_step_faults.py",
                            "-k", "not test_outside_writes and not test_step_faults or simulated", "-c", "pytest.ini", "-x",
                            "-q", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, cwd=scratch)
@@ -102,7 +105,8 @@ def run(mutation: Mutation, scratch: Path) -> tuple[bool, str]:
 
 
 def main() -> int:
-    found = mutations()
+    only = sys.argv[1:]
+    found = [m for m in mutations() if not only or any(part in m.path for part in only)]
     caught = 0
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fusedoff_mut_") as scratch:

@@ -3,8 +3,10 @@ states live.
 
 A bucket is formed when its group first steps and placed then (placement.py): each tensor's states
 are resident device tensors or views of a HostStateStore laid out by a ChunkPlan, moved through
-the device's StreamPipeline. Either way they are the entries of ``opt.state[p]`` (device tensors,
-or views of the host store, never copies), so torch's machinery sees one source of truth.
+the device's StreamPipeline, or (host-computed) views of its `HostShare`'s store, stepped by the
+host kernels where they are (host_share.py). Either way they are the entries of ``opt.state[p]``
+(device tensors, or views of a host store, never copies), so torch's machinery sees one source of
+truth.
 
 The bucket follows what ``opt.state`` holds (`adopt`): a missing state starts afresh, an assigned
 tensor is taken by value into its place, an in-place edit is the state itself. The kernels follow
@@ -48,6 +50,7 @@ import torch
 from torch import Tensor
 
 from fusedoff.offload.contract import StateSpec, UpdateArgs
+from fusedoff.offload.host_share import HostShare
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.plan import Chunk, ChunkPlan, Piece
 from fusedoff.offload.runtime import Runtime
@@ -70,6 +73,11 @@ class Bucket:
     pipeline: StreamPipeline | None
     runtime: Runtime
     before_host_write: Callable[[], None]  # waits for queued copies back into the store
+    # The tensors the host steps in host memory (see fusedoff/offload/host_share.py; None: none),
+    # their part, and the group's host share they were placed for.
+    hosted: list[bool] | None = None
+    host: HostShare | None = None
+    host_share: float = 0.0
     sharded: list[bool] = field(init=False)
     # The object last placed in opt.state[p][name] for each tensor (None: none yet).
     placed: dict[str, list[Tensor | None]] = field(init=False)
@@ -82,6 +90,8 @@ class Bucket:
 
     def __post_init__(self) -> None:
         n = len(self.params)
+        if self.hosted is None:
+            self.hosted = [False] * n
         # The step counts (torch's ``state["step"]``, fp32 on the parameters' device) of every tensor
         # of the bucket in one vector, each ``opt.state[p]["step"]`` a 0-d view of its element: one
         # add counts a step for all (a list of 0-d tensors costs a kernel launch, or a loop, per tensor).
@@ -241,10 +251,11 @@ class Bucket:
             local_param = local_tensor(param)
             # The state has the parameter's strides: the store holds it in the parameter's memory order.
             # A block-wise state (one value per block of elements) is flat.
-            shaped = self.store.view(name, t)
+            shaped = (self.host.store if self.hosted[t] else self.store).view(name, t)
             if spec.block == 1:
                 shaped = shaped.as_strided(local_param.shape, local_param.stride())
-            # The previous step's copies back cover whole chunks, this tensor's part included.
+            # The previous step's copies back cover whole chunks, this tensor's part included (and
+            # the host worker's step of a host-computed tensor).
             self.before_host_write()
             self.runtime.host_access([shaped], write=True, what=f"{name} of tensor {t} set by the host")
             if value is None:

@@ -9,6 +9,7 @@ simulator (fusedoff/testing/simulator.py) instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import warnings
@@ -50,6 +51,28 @@ class CudaRuntime(Runtime):
     def launch(self, stream, fn, *, reads=(), writes=()) -> None:
         with torch.cuda.stream(stream):
             fn()
+
+    def host_compute(self, fn, *, after, reads=(), writes=()):
+        # One thread, tasks in order: the host kernels release the GIL (and use OpenMP inside), so
+        # the Python thread goes on queueing while a task runs; the event wait releases it too.
+        worker = self.__dict__.get("_worker")
+        if worker is None:
+            worker = self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusedoff-host")
+
+        def task() -> None:
+            if after is not None:
+                after.synchronize()
+            fn()
+
+        return worker.submit(task)
+
+    def wait_host_compute(self, task) -> None:
+        if task is None:
+            return
+        error = task.exception()  # (one thread in order: every earlier task is done too)
+        if error is not None and not getattr(task, "fusedoff_error_raised", False):
+            task.fusedoff_error_raised = True
+            raise error
 
     def empty(self, numel: int) -> Tensor:
         return torch.empty(numel, dtype=torch.float32, device=self.device)

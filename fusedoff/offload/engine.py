@@ -2,8 +2,9 @@
 
 The engine orchestrates; its parts own their jobs. `Placement` (placement.py) forms the buckets
 (bucket.py), decides the budgets and places each bucket's tensors: resident within the device
-budget, streamed beyond it. Each bucket keeps ``opt.state`` and its placed states one (adoption),
-its master weights following their parameters, and cuts its fused calls' ranges. `DeviceRuntimes`
+budget, streamed beyond it, a share of the streamed ones stepped by the host where their states
+live (host_share.py). Each bucket keeps ``opt.state`` and its placed states one (adoption), its
+master weights following their parameters, and cuts its fused calls' ranges. `DeviceRuntimes`
 (runtimes.py) holds the device runtimes, which count the bytes they copy. `ForwardSchedule`
 (schedule.py) orders the chunks when the step overlaps the next forward (fusedoff/optim/overlap.py).
 What the engine does itself is the step, as a transaction (see [note: the step as a
@@ -37,6 +38,7 @@ from fusedoff import ops
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, OptimizerRules, Phase
 from fusedoff.offload.gradients import checked_flat_grads
+from fusedoff.offload.host_share import host_share_of
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.placement import (DEFAULT_CHUNK_SIZE, OFFLOAD_MODES, BucketKey, Placement,
                                         check_device_budget)
@@ -86,8 +88,8 @@ class OffloadEngine:
         """The streaming buffers a bucket with `states` (names or specs) needs (Placement.buffer_bytes_for)."""
         return self.placement.buffer_bytes_for(states)
 
-    def _place(self, key: BucketKey, params: list[Tensor], backend: str) -> Bucket:
-        bucket = self.placement.place(key, params, backend)
+    def _place(self, key: BucketKey, params: list[Tensor], backend: str, group: dict) -> Bucket:
+        bucket = self.placement.place(key, params, backend, host_share_of(group))
         self._device_peak = max(self._device_peak, self.placement.device_bytes)
         return bucket
 
@@ -97,7 +99,7 @@ class OffloadEngine:
         at their next step, from ``opt.state``), keeping what the engine keeps over its life; with
         `changes` to its configuration (``device_budget``). The caller has waited for the copies back
         (`wait_host`): no queued work is left on the old buckets."""
-        config = self.config(decided={}, **changes)
+        config = {**self.config(decided={}), **changes}
         self._device_peak = max(self._device_peak, self.placement.device_bytes)  # the most held, over its life
         self.runtimes.retire()
         self.placement = Placement(**config, runtimes=self.runtimes, wait_host=self.wait_host)
@@ -117,8 +119,8 @@ class OffloadEngine:
         `scaling(device)` the gradient divisor (GradScaler's scale, clipping) and found_inf there.
         Gradients, parameters, options and every bucket's update are checked and made before any
         state, step count or parameter changes."""
-        if self.schedule.order is not None:  # the previous step's chunks: done before this one counts steps
-            self.join()
+        if self.schedule.order is not None and self.incomplete is None:  # the previous step's chunks: done
+            self.join()  # before this one counts steps
         if self.incomplete is not None:
             raise StepIncompleteError(self.incomplete)
         self.runtimes.step_started()
@@ -128,6 +130,10 @@ class OffloadEngine:
             rules._check_group_options(group)
         if placement.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
+            placement = self.placement
+        elif placement.share_changed(groups):  # placed afresh below, values kept (as for a new budget)
+            self.wait_host()
+            self.drop_placement(decided=self.config()["decided"])
             placement = self.placement
         work = []
         for index, group in enumerate(groups):
@@ -162,6 +168,7 @@ class OffloadEngine:
                 if self.schedule.order is None:
                     for run in runs:
                         self._run(run, overlapped=False)
+                    self._join_host_share()  # (last: the host computed while the device streamed)
                 else:
                     self._run_in_forward_order(runs)
             except BaseException as error:
@@ -169,16 +176,18 @@ class OffloadEngine:
                 self._settle_after()
                 raise StepIncompleteError(self.incomplete) from error
             self.steps_taken += 1  # (before a held interrupt is raised: the step is whole)
-            self.runtimes.step_done(sum(run.bucket.plan.numels[t] for run in runs for t in run.grads_of))
+            self.runtimes.step_done(sum(run.moved_numel for run in runs))
 
     def _settle_after(self) -> None:
         """After a failure among a step's changes: waits for whatever the pipelines had queued, so
         that the host may write its states (a checkpoint loaded) without racing a queued copy. A
         device that fails again now (a sticky error) is only warned about: the first failure is the
         one raised."""
-        for pipeline in self.pipelines.values():
+        settle = [pipeline.settle for pipeline in self.pipelines.values()]
+        settle += [functools.partial(b.host.settle, b) for b in self.buckets.values() if b.host is not None]
+        for wait in settle:
             try:
-                pipeline.settle()
+                wait()
             except Exception as again:  # noqa: PERF203 (once, on a failure path)
                 warnings.warn(f"fusedoff: waiting for the copies queued before the step failed failed too: {again!r}",
                               RuntimeWarning, stacklevel=3)
@@ -192,7 +201,7 @@ class OffloadEngine:
         for w in work:
             bucket = self.buckets.get(w.key)
             if bucket is None:
-                bucket = self._place(w.key, w.members, rules._resolve_backend(w.group, w.key.device))
+                bucket = self._place(w.key, w.members, rules._resolve_backend(w.group, w.key.device), w.group)
                 bucket.check_layouts(w.stepping)
             divisor, found_inf = scaling(bucket.device)
             update = rules._fused_update(w.group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
@@ -210,6 +219,9 @@ class OffloadEngine:
         schedules them), then phase by phase its spanning chunks and its resident tensors; the main
         stream joins the pipeline between phases, and at the end unless `overlapped`."""
         bucket, update = run.bucket, run.update
+        if run.host is not None:  # first: the host computes while the device works through the chunks
+            self._host_pending = True
+            bucket.host.queue(bucket, run.host, overlapped=overlapped)
         if run.chunks:
             self._host_pending = True
             if overlapped:  # memory the chunks read that the main stream may free or reuse before they ran
@@ -260,13 +272,36 @@ class OffloadEngine:
         self.schedule.follow(forward_order)
 
     def join(self) -> None:
-        """The main stream waits for every queued chunk of every bucket (the plain step's end)."""
+        """The main stream waits for every queued chunk of every bucket, and for the parameters the
+        host stepped (the plain step's end)."""
         for pipeline in self.pipelines.values():
             pipeline.join()
+        self._join_host_share()
+
+    def _join_host_share(self) -> None:
+        """The main stream waits for the copies back of the parameters the host stepped, queued
+        once the host has waited for its worker (see [note: the host share of a step])."""
+        for bucket in self.buckets.values():
+            if bucket.host is not None:
+                rt = bucket.runtime
+                copied_up = self._finish_host_share(bucket)
+                rt.wait_event(rt.current_stream(), copied_up)
+
+    def _finish_host_share(self, bucket: Bucket):
+        """`bucket`'s host share finished (HostShare.finish): the event of its copies back. A task
+        of the worker that failed left its step half done: every later step refuses to run, as
+        after a failure among a step's changes (an interrupt of the wait leaves the task to wait
+        for again)."""
+        try:
+            return bucket.host.finish(bucket)
+        except Exception as error:
+            if self.incomplete is None:
+                self.incomplete = incomplete_message(error)
+            raise
 
     def wait_for(self, key: Hashable, params: Sequence[Tensor]) -> None:
         """The main stream waits for the chunks holding `params` (see ForwardSchedule.wait_for)."""
-        self.schedule.wait_for(key, params, self.placement)
+        self.schedule.wait_for(key, params, self.placement, self._finish_host_share)
 
     def _run_in_forward_order(self, runs: list[BucketRun]) -> None:
         """Every bucket's step with the chunks of single-pass updates interleaved across buckets in
@@ -314,7 +349,7 @@ class OffloadEngine:
                                 values[name] = value.to(torch.float32)
                     continue
                 bucket = placement.buckets.get(key) or self._place(key, params,
-                                                                   rules._resolve_backend(group, key.device))
+                                                                   rules._resolve_backend(group, key.device), group)
                 for t, p in loaded:
                     values = dict.get(state, p)
                     values.clear()
@@ -327,11 +362,16 @@ class OffloadEngine:
             return
         for pipeline in self.pipelines.values():
             pipeline.wait_host()
+        for bucket in self.buckets.values():  # the host's share: its worker, and its copies back (the
+            if bucket.host is not None:  # parameters: the host may write them next, as load_state_dict does)
+                copied_up = self._finish_host_share(bucket)
+                bucket.runtime.synchronize(copied_up)
         self._host_pending = False
         for bucket in self.buckets.values():  # what the host may now read (recorded by the simulator)
-            if bucket.store is not None:
-                bucket.runtime.host_access([s for slabs in bucket.store.slabs.values() for s in slabs], write=False,
-                                           what="host state read after wait_host")
+            stores = [s for s in (bucket.store, bucket.host and bucket.host.store) if s is not None]
+            if stores:
+                bucket.runtime.host_access([s for store in stores for slabs in store.slabs.values() for s in slabs],
+                                           write=False, what="host state read after wait_host")
 
     # ---- memory ----------------------------------------------------------------------------------
     def memory_stats(self) -> dict:
@@ -373,7 +413,7 @@ def _reduce_over_shards(bucket: Bucket, phase: Phase, stats: Tensor) -> None:
 
 def _check_capturable(bucket: Bucket, stepping: list[int]) -> None:
     """Raises if this step would stream states while a CUDA graph is being captured."""
-    if bucket.store is not None and not all(bucket.resident[t] for t in stepping) and bucket.runtime.capturing():
+    if bucket.pipeline is not None and not all(bucket.resident[t] for t in stepping) and bucket.runtime.capturing():
         raise RuntimeError("fusedoff: a step that streams states cannot be captured in a CUDA graph (its copies "
                            "and host synchronisation are outside the graph); capture with every state resident "
                            "(offload='none', or a device_budget that holds them all)")

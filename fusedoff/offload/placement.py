@@ -3,14 +3,25 @@
 `Placement` holds one engine's buckets (bucket.py: the parameters of one param group that share a
 device, dtype and states) and the budgets that placed them: it forms the buckets from the param
 groups and drops them when their members or storage change, decides the automatic budgets, places
-each bucket (its chunk plan, host store and the device's stream pipeline), and predicts, by the
-same rules, what `fusedoff.memory.predict` asks: the placement and the bytes of a step.
+each bucket (its chunk plan, host store and the device's stream pipeline, and its host share: see
+[note: the host share]), and predicts, by the same rules, what `fusedoff.memory.predict` asks: the
+placement and the bytes of a step (without a host share: see the note).
 
 [note: placement order] Within a device's byte budget, parameters are placed in the order of
 `param_groups` and their `params` (buckets in the order they first step): each parameter's states
 (master weights included) stay on the device if they fit in what remains of the budget, otherwise
 they stream. A placement is fixed once made; only the user changes it (a new budget, or
 `load_state_dict`, which re-places every state).
+
+[note: the host share] A param group's ``host_share`` (`host_share_of`: a number in [0, 1]) moves
+part of each of its buckets' streamed tensors to the host: their states stay in host memory and
+the host kernels step them there (see fusedoff/offload/host_share.py). The tensors are chosen
+after the budget placed the bucket, among its streamed tensors (never a resident one: the device
+budget is spent first, as without a share) in placement order: the longest prefix of them whose
+elements add up to at most the share of all their elements (0: none, today's placement exactly;
+1: all). Sharded tensors are skipped (they stay streamed). A share that changes between steps
+places every state afresh at that step, keeping its value, as a new budget does. The predictions
+(`predict_placement`, `predict_link`) do not know the share yet: they are those of share 0.
 
 [note: automatic budget] With offload="auto" and no budget given, the budget for a CUDA device is
 decided at the first step(): the device's total memory, less the peak that this process allocated
@@ -31,6 +42,7 @@ from torch import Tensor
 
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.contract import OptimizerRules, Phase, StateSpec, moved, state_specs
+from fusedoff.offload.host_share import HostShare, host_computed, host_share_of
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.plan import ALIGN_ELEMENTS, ChunkPlan, aligned_chunk_size, round_up
 from fusedoff.offload.runtime import LinkBytes
@@ -239,10 +251,15 @@ class Placement:
                 return True
         return False
 
-    def place(self, key: BucketKey, params: list[Tensor], backend: str) -> Bucket:
+    def share_changed(self, groups: list[dict]) -> bool:
+        """True when a group's host share is not the one its placed buckets were placed for."""
+        return any(key.group_index < len(groups) and host_share_of(groups[key.group_index]) != bucket.host_share
+                   for key, bucket in self.buckets.items())
+
+    def place(self, key: BucketKey, params: list[Tensor], backend: str, host_share: float = 0.0) -> Bucket:
         """The bucket of `key` placed: each tensor's states resident while they fit in the device's
         budget (decided now where it is not yet), the rest in a host store streamed through the
-        device's pipeline."""
+        device's pipeline, or `host_share` of them host-computed (see [note: the host share])."""
         device, specs = key.device, key.specs
         rt = self.runtimes.of(device)
         if not self.budget.decided(device):
@@ -252,16 +269,22 @@ class Placement:
         # A shard's block-wise states count blocks from its parameter's first element: its chunks are
         # cut on those blocks' boundaries (see `lead` in plan.py).
         block = max((s.block for s in specs), default=1)
-        plan = self.chunk_plan([0 if r else local_tensor(p).numel() for p, r in zip(params, resident)], specs,
+        numels = [local_tensor(p).numel() for p in params]
+        hosted = host_computed(numels, [not r and not is_dtensor(p) for p, r in zip(params, resident)], host_share)
+        plan = self.chunk_plan([0 if r or h else n for n, r, h in zip(numels, resident, hosted)], specs,
                                [block_lead(p, block) for p in params])
-        store = pipeline = None
+        store = pipeline = host = None
         if not all(resident):
             pipeline = self.pipelines.get(device)
             if pipeline is None:
                 pipeline = self.pipelines[device] = StreamPipeline(rt, self.chunk_size, self.num_buffers)
+        if not all(r or h for r, h in zip(resident, hosted)):
             store = HostStateStore(plan, specs, pin=rt.pin if rt.asynchronous else None, unpin=rt.unpin)
+        if any(hosted):
+            host = HostShare(self.chunk_plan([n if h else 0 for n, h in zip(numels, hosted)], specs), specs,
+                             key.dtype, len(params), rt)
         bucket = self.buckets[key] = Bucket(params, {s.name: s for s in specs}, backend, resident, plan, store,
-                                            pipeline, rt, self.wait_host)
+                                            pipeline, rt, self.wait_host, hosted, host, host_share)
         self._buckets_changed()  # a parameter set's chunks may lie in this bucket
         return bucket
 
@@ -289,21 +312,30 @@ class Placement:
         """``memory_stats()``: where the bytes are, with the bytes `link` counted over the link and
         the most the engine has held on the device (`device_peak`)."""
         stores = [bucket.store for bucket in self.buckets.values() if bucket.store is not None]
+        hosts = [bucket.host for bucket in self.buckets.values() if bucket.host is not None]
         limits = list(self.budget.limits.values())
-        host_bytes = sum(s.nbytes for s in stores)
+        streamed_bytes = sum(s.nbytes for s in stores)
+        host_computed_bytes = sum(h.store.nbytes for h in hosts)
         streamed = sum(sum(s.plan.numels) for s in stores)
         last, streamed_last = link.last_step, link.streamed_last_step
         return {
-            "host_bytes": host_bytes,
-            "host_pinned": bool(stores) and all(s.pinned for s in stores),
+            "host_bytes": streamed_bytes + host_computed_bytes,
+            "host_pinned": bool(stores or hosts) and all(s.pinned for s in (*stores, *(h.store for h in hosts))),
             "resident_bytes": self.resident_bytes,
-            "streamed_bytes": host_bytes,
+            "streamed_bytes": streamed_bytes,
             # The parameter elements whose states stream, and the host bytes (the store's alignment
             # padding included) per such element.
             "streamed_params": streamed,
-            "host_bytes_per_param": host_bytes / streamed if streamed else None,
+            "host_bytes_per_param": streamed_bytes / streamed if streamed else None,
+            # The host's share (see [note: the host share]): the parameter elements the host steps,
+            # their states' host bytes, and the page-locked buffers of their parameters, gradients
+            # (one per gradient dtype seen) and step counts.
+            "host_computed_params": sum(h.numel for h in hosts),
+            "host_computed_bytes": host_computed_bytes,
+            "host_share_buffer_bytes": sum(h.buffer_bytes for h in hosts),
             # What the copies of the last step() moved, each way, counted as they were issued (none
-            # where every state is resident); per element of the parameters streamed in that step.
+            # where every state is resident); per element of the parameters streamed or
+            # host-computed in that step (the elements whose bytes crossed the link).
             "link_bytes_last_step": last.as_dict(),
             "streamed_params_last_step": streamed_last,
             "link_bytes_per_param_last_step": {way: nbytes / streamed_last for way, nbytes in

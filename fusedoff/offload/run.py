@@ -3,7 +3,8 @@
 A bucket's stepping tensors split into resident ones, updated whole by fused calls on the current
 stream, and streamed ones, whose chunks go through the device's pipeline: chunks holding only
 whole, unsharded tensors in one pass running every phase (`whole_pass`), the others in one pass
-per phase (`spanning`). The engine runs them (engine.py); everything a run allocates (statistics,
+per phase (`spanning`); host-computed ones are stepped by the host kernels in host memory
+(`host`, see host_share.py). The engine runs them (engine.py); everything a run allocates (statistics,
 the streaming buffers) is allocated here, see [note: the step as a transaction].
 """
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.contract import FusedUpdate
+from fusedoff.offload.host_share import HostRun
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions
 from fusedoff.offload.plan import Chunk
 
@@ -34,6 +36,14 @@ class BucketRun:
     spanning: list[Chunk]
     grads_of: dict[int, Tensor]
     steps_of: dict[int, Tensor]
+    host: HostRun | None  # the host-computed tensors' step (None: none steps)
+
+    @property
+    def moved_numel(self) -> int:
+        """The elements whose states or parameters this run moves over the link."""
+        plan = self.bucket.plan
+        host = sum(self.bucket.host.plan.numels[t] for t in self.host.tensors) if self.host is not None else 0
+        return sum(plan.numels[t] for t in self.grads_of) + host
 
     @classmethod
     def prepare(cls, bucket: Bucket, update: FusedUpdate, stepping: list[int], grads: list[Tensor],
@@ -50,11 +60,16 @@ class BucketRun:
         else:
             resident = [stepping[i] for i in resident_rows]
             resident_grads, resident_steps = [grads[i] for i in resident_rows], [steps[i] for i in resident_rows]
-        chunks, grads_of, steps_of = [], {}, {}
+        chunks, grads_of, steps_of, host = [], {}, {}, None
         if len(resident) < len(stepping):
-            grads_of = {t: g for t, g in zip(stepping, grads) if not bucket.resident[t]}
-            steps_of = {t: s for t, s in zip(stepping, steps) if not bucket.resident[t]}
+            hosted = bucket.hosted
+            grads_of = {t: g for t, g in zip(stepping, grads) if not bucket.resident[t] and not hosted[t]}
+            steps_of = {t: s for t, s in zip(stepping, steps) if not bucket.resident[t] and not hosted[t]}
             chunks = [c for c in bucket.plan.chunks if any(p.tensor in grads_of for p in c.pieces)]
+            host_rows = [i for i, t in enumerate(stepping) if hosted[t]]
+            if host_rows:
+                host = bucket.host.prepare(bucket, update, [stepping[i] for i in host_rows],
+                                           [grads[i] for i in host_rows])
         if rt.records_accesses:  # produced on the main stream before this step: gradients (backward), steps
             rt.main_access([*grads, *steps, *(() if stats is None else (stats,))], write=True,
                            what="gradients, steps and stats made on the main stream")
@@ -64,7 +79,8 @@ class BucketRun:
                           and not any(bucket.sharded[p.tensor] for p in c.pieces)]
             spanning = [c for c in chunks if c not in whole_pass]
         resident_calls = bucket.resident_calls(resident, resident_grads, resident_steps, stats) if resident else []
-        return cls(bucket, update, stepping, stats, resident_calls, chunks, whole_pass, spanning, grads_of, steps_of)
+        return cls(bucket, update, stepping, stats, resident_calls, chunks, whole_pass, spanning, grads_of, steps_of,
+                   host)
 
 
 def reserve_buffers(runs: list[BucketRun]) -> None:

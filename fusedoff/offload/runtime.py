@@ -2,8 +2,9 @@
 
 The engine (pipeline, store, placement) talks to a device only through a `Runtime`: side streams
 and events (record, wait, synchronize), the current ("main") stream, asynchronous copies, kernels
-launched on a stream, device buffers, page-locked host memory, keeping a tensor alive for a
-stream, memory figures, and graph capture. `Runtime` is that interface; four implementations:
+launched on a stream, host computations run off the Python thread (the host worker), device
+buffers, page-locked host memory, keeping a tensor alive for a stream, memory figures, and graph
+capture. `Runtime` is that interface; four implementations:
 
 - `HostRuntime`: the host loopback for CPU parameters. Everything runs at once, in program
   order; streams and events are None.
@@ -15,7 +16,11 @@ stream, memory figures, and graph capture. `Runtime` is that interface; four imp
   operation recorded and then timed by a deterministic scheduler (a prediction of a GPU's step).
 
 Data-flow terms used by the simulator: the *host* is the Python thread (it reads and writes host
-memory directly); *main* is the stream the user's kernels run on (the current stream: backward
+memory directly); the *host worker* runs the host's share of a step (`host_compute`: the host
+kernels on host-computed tensors, see fusedoff/offload/host_share.py) in the order it was given,
+each task after an event, and the host waits for a task with `wait_host_compute`: no stream waits
+for a task (a GPU stream cannot wait for a host thread), so what reads a task's results is queued
+by the host after that wait; *main* is the stream the user's kernels run on (the current stream: backward
 writes gradients there, the next forward reads parameters there). `host_access` and `main_access`
 tell the runtime about such accesses; only the simulator records them.
 
@@ -51,8 +56,9 @@ class LinkBytes:
 
 
 class Runtime:
-    """What the engine asks of a device. Every method but the access records and the counted copies
-    (`copy_to_device`, `copy_to_host`: written once here, for every runtime) must be implemented."""
+    """What the engine asks of a device. Every method but the access records, the counted copies
+    (`copy_to_device`, `copy_to_host`: written once here, for every runtime) and the host worker
+    (at once, for runtimes whose work completes as it is issued) must be implemented."""
 
     decides_budget = False  # offload='auto' decides a budget from the device's memory at the first step
     asynchronous = False  # copies overlap the host: host memory is page-locked for them
@@ -107,6 +113,21 @@ class Runtime:
                writes: Iterable[Tensor] = ()) -> None:
         """Runs `fn` (kernels reading `reads`, writing `writes`) on `stream`."""
         raise NotImplementedError
+
+    # the host worker
+    def host_compute(self, fn: Callable[[], None], *, after, reads: Iterable[Tensor] = (),
+                     writes: Iterable[Tensor] = ()):
+        """Runs `fn` (host kernels reading `reads`, writing `writes`, all host memory) on the host
+        worker once `after` (an event, or None) is complete, after the tasks given before it;
+        returns the task, for `wait_host_compute`. Here, for runtimes whose work completes as it is
+        issued: at once, on the calling thread."""
+        self.synchronize(after)
+        fn()
+        return None
+
+    def wait_host_compute(self, task) -> None:
+        """The host waits for `task` (a `host_compute`'s) and every task given before it; raises
+        what the task raised, at the first wait for it only (a later wait finds it done)."""
 
     # memory
     def empty(self, numel: int) -> Tensor:

@@ -24,6 +24,7 @@ from fusedoff.formats import MASTER, Role, StoredForm, check_master_options
 from fusedoff.kernels import codec
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec
+from fusedoff.offload.host_share import HOST_SHARE_KEY, check_host_share
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
@@ -66,12 +67,13 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
                  chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None,
-                 master_precision: str = "fp32") -> None:
+                 master_precision: str = "fp32", host_share: float = 0.0) -> None:
         if backend != "auto":
             backend_named(backend)  # raises, naming the backends there are
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         check_master_options(master_precision, master_weights)
+        check_host_share(host_share, offload)
         if "state_precision" in defaults:
             # which 8-bit map the group's codes are in: in every group, so that whatever copies the
             # groups (a state dict, DCP, ZeRO-1's consolidation) carries it with the codes
@@ -79,7 +81,7 @@ class FusedOptimizer(Optimizer):
         self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
         self._start_engine(self._config)
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights,
-                                  "master_precision": master_precision})
+                                  "master_precision": master_precision, HOST_SHARE_KEY: host_share})
         self._wrap_state()
         self._register_hooks()
 
@@ -195,6 +197,7 @@ class FusedOptimizer(Optimizer):
         """Raises if `group`'s fusedoff options cannot work together (a loaded group, or one
         changed since it was added); subclasses add their own."""
         check_master_options(group.get("master_precision", "fp32"), group.get("master_weights"))
+        check_host_share(group.get(HOST_SHARE_KEY, 0.0), self._config["offload"])
         self._check_state_options(group)
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:
@@ -276,8 +279,15 @@ class FusedOptimizer(Optimizer):
         (over the optimizer's life), each ``{"to_device": bytes, "to_host": bytes}``;
         ``streamed_params_last_step``, the parameter elements whose states streamed in the last
         step, and ``link_bytes_per_param_last_step``, the bytes per such element each way (None when
-        nothing streamed). ``streamed_params``: the parameter elements whose states live in host
-        memory, and ``host_bytes_per_param`` their host bytes per element (None when none do).
+        nothing streamed). ``streamed_params``: the parameter elements whose states stream from
+        host memory, and ``host_bytes_per_param`` their host bytes per element (None when none do).
+
+        The host share (``host_share``): ``host_computed_params``, the parameter elements whose
+        states the host steps in host memory; ``host_computed_bytes``, those states' bytes (in
+        ``host_bytes``, not in ``streamed_bytes``); ``host_share_buffer_bytes``, the page-locked
+        buffers of their parameters, gradients and step counts. ``streamed_params_last_step``
+        counts the host-computed elements of that step too (their gradients and parameters
+        crossed the link).
         """
         return self._engine.memory_stats()
 

@@ -18,6 +18,14 @@ user's kernels: backward writes gradients there, the next forward reads paramete
 runs at once, in program order), then one per side stream. Work queued after a host action is
 ordered after it; main-stream work is ordered after the host actions before it; side streams see
 main-stream work only through events, as on a GPU.
+
+The host worker (`host_compute`: the host's share of a step, fusedoff/offload/host_share.py) is
+one more ordered agent, a timeline of its own made at its first task: its tasks run in order, each
+once the event it was given is complete, in the same random interleaving as the streams; a task
+is ordered after what the host did before giving it (a thread's submission), and after its event.
+Only the host waits for a task (`wait_host_compute`, which joins the worker's clock into the
+host's): a stream that waited for one would be a GPU waiting for a host thread, which it cannot,
+so `wait_event` refuses a task.
 """
 
 from __future__ import annotations
@@ -68,6 +76,15 @@ class _Event:
 
 
 @dataclass
+class _HostTask:
+    """A task given to the host worker: complete with its event; what it raised, raised by the first
+    wait for it (as a thread's error is, by the host that joins it)."""
+
+    event: _Event | None = None
+    error: Exception | None = None
+
+
+@dataclass
 class _Op:
     what: str
     run: Callable[[], None] = lambda: None
@@ -105,6 +122,8 @@ class SimulatedRuntime(Runtime):
         self.pin_fails = pin_fails
         self.capturing_graph = capturing
         self._history: dict[int, list[_Access]] = {}
+        self._host_worker: _Timeline | None = None
+        self.host_tasks = 0  # tasks the host worker ran
         self.ops_run = 0
         self.checked = 0
 
@@ -140,6 +159,9 @@ class SimulatedRuntime(Runtime):
     def wait_event(self, stream: _Timeline, event: _Event | None) -> None:
         if event is None:
             return
+        if isinstance(event, _HostTask):
+            raise TypeError("a stream cannot wait for the host worker: the host waits for the task "
+                            "(wait_host_compute), then queues what reads its results")
         if not stream.side:
             self._run_until(event)
             stream.clock = _join(stream.clock, event.clock)
@@ -172,6 +194,33 @@ class SimulatedRuntime(Runtime):
             fn()
             return
         self._enqueue(stream, _Op(f"kernel on {stream.name}", run=fn), reads=reads, writes=writes)
+
+    # ---- the host worker ---------------------------------------------------------------------------------
+    def host_compute(self, fn, *, after, reads=(), writes=()) -> _HostTask:
+        worker = self._host_worker
+        if worker is None:
+            worker = self._host_worker = _Timeline(len(self.timelines), "host worker", {}, side=True)
+            self.timelines.append(worker)
+        self.wait_event(worker, after)
+        task = _HostTask()
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 (raised by the host's wait, not by the scheduler)
+                task.error = error
+            self.host_tasks += 1
+
+        self._enqueue(worker, _Op("host compute on the host worker", run=run), reads=reads, writes=writes)
+        task.event = self.record(worker)
+        return task
+
+    def wait_host_compute(self, task: _HostTask | None) -> None:
+        if task is not None:
+            self.synchronize(task.event)
+            error, task.error = task.error, None  # (raised at the first wait only)
+            if error is not None:
+                raise error
 
     def empty(self, numel: int) -> Tensor:
         buffer = torch.full((numel,), float("nan"), dtype=torch.float32, device=self.device)  # poison
