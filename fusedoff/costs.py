@@ -5,8 +5,10 @@ A step of N parameter elements splits them three ways:
   resident       states on the device; the device kernel steps them (no link traffic);
   streamed       states in host memory, copied to the device chunk by chunk, stepped there, copied back
                  (the pipeline double-buffers, so copies and kernels overlap);
-  host-computed  states in host memory, stepped there by the host kernel: only the gradient goes down
-                 to the host and the parameter back up.
+  host-computed  states in host memory, stepped there by the host kernel: the gradient and the
+                 parameter go down to the host, and the parameter back up. The parameter goes down
+                 too because anything may have written it on the device since the last step (see
+                 [note: the host share of a step] in fusedoff/offload/host_share.py).
 
 Bytes per element come from the optimizer classes' own state specs and phases (the stored forms of
 fusedoff/formats.py, as `fusedoff.memory.state_specs_of` and `phases_of` give them) and the engine's own
@@ -17,24 +19,24 @@ busiest one (a documented simple model, not a schedule):
 
   link         h2d bytes / h2d rate, d2h bytes / d2h rate, and both together / the rate when both
                directions run at once: the largest of the three (the streamed chunks' copies, and the
-               host-computed elements' gradients down and parameters up, share it);
+               host-computed elements' gradients and parameters down and parameters up, share it);
   device       the bytes the device kernel reads and writes (resident and streamed elements) / the
                device memory bandwidth it reaches;
   host memory  every byte that crosses host memory / its bandwidth: the host kernel's reads and writes
                over the host-computed elements, and every byte the link moves, both ways. Pinned-memory
                copies are DMA over PCIe from and into host DRAM: a streamed chunk is read from it on the
-               way up and written into it on the way down, a host-computed element's gradient lands in
-               it and its parameter leaves from it. On a node of several GPUs every rank streams at
-               once, so the bandwidth is one GPU's share of the node's;
+               way up and written into it on the way down, a host-computed element's gradient and
+               parameter land in it and its parameter leaves from it. On a node of several GPUs every
+               rank streams at once, so the bandwidth is one GPU's share of the node's;
   host kernel  the host-computed elements / the host kernel's measured elements per second, where the
                rates have one for the setup: what it reaches alone on its threads (arithmetic such as
                codecs and rounding can hold it below host memory's rate); the copies' traffic that
                competes with it is in host memory's term.
 
-A host-computed element crosses host memory with at least the bytes a streamed one does (its kernel
-reads and writes the states the stream would copy, and reads the gradient and writes the parameter
-besides, which the link carries too), so a host share shortens the step only where the link, not
-host memory, bounds the streamed step.
+A host-computed element crosses host memory with more bytes than a streamed one does (its kernel
+reads and writes the states the stream would copy, and the link's copies bring its gradient and
+parameter down and take its parameter up besides), so a host share shortens the step only where
+the link, not host memory, bounds the streamed step.
 
 Left out: the pipeline's fill and drain (one chunk each way), per-call host costs, the forward that
 overlapped steps hide under, and the copies' and kernels' contention for device memory. The timed
@@ -121,13 +123,22 @@ class ElementBytes:
 
     @property
     def host_h2d(self) -> float:
-        """A host-computed element's parameter, up to the device."""
+        """A host-computed element's parameter, back up to the device after the host stepped it."""
         return self.param
 
     @property
     def host_d2h(self) -> float:
-        """A host-computed element's gradient, down to the host."""
-        return self.grad
+        """A host-computed element's gradient (in its own dtype) and its parameter, down to the host:
+        the engine copies the parameter down every step, as anything may have written it on the
+        device since the last one ([note: the host share of a step] in fusedoff/offload/host_share.py)."""
+        return self.grad + self.param
+
+    @property
+    def host_staging(self) -> float:
+        """A host-computed element's page-locked staging in host memory: `HostShare`'s parameter
+        buffer and its gradient buffer (one per gradient dtype: one here), each whole. Left out: each
+        bucket's few scalars (step counts, scale, found_inf) and the buffers' alignment padding."""
+        return self.param + self.grad
 
 
 def _specs_and_phases(setup: Setup) -> tuple[tuple[StateSpec, ...], tuple[StateSpec, ...], tuple[Phase, ...]]:
@@ -269,9 +280,9 @@ def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, 
     """The step of `params` elements of which `resident` keep their states on the device and a share
     `host_share` of the rest are stepped by the host (see [note: the step's cost model]).
 
-    Host-computed elements keep in host memory their states and master, and a landing place for
-    their gradient and their parameter's trip up (assumed whole: the host-computed placement's
-    staging may be smaller)."""
+    Host-computed elements keep in host memory their states and master, and their staging
+    (`ElementBytes.host_staging`: the page-locked parameter and gradient buffers the engine's
+    `HostShare` allocates, whole)."""
     params, resident = int(params), int(resident)
     if params < 0 or not 0 <= resident <= params:
         raise ValueError(f"need 0 <= resident <= params, got resident={resident}, params={params}")
@@ -288,7 +299,7 @@ def predict_step(setup: Setup, rates: Rates, params: int, *, resident: int = 0, 
              "host memory": (host * b.kernel + h2d + d2h) / rates.host_memory,
              "host kernel": host / rate if rate else 0.0}
     device = params * (b.param + b.grad) + resident * b.stored + (b.buffers if streamed else 0)
-    host_bytes = (streamed + host) * b.stored + host * (b.grad + b.param)
+    host_bytes = (streamed + host) * b.stored + host * b.host_staging
     return StepPrediction(setup, rates.name, resident, streamed, host, h2d_bytes=h2d, d2h_bytes=d2h,
                           device_bytes=device, host_bytes=host_bytes, terms=terms)
 

@@ -6,8 +6,9 @@
 
 For every state precision x master precision the optimizer takes, four placements: every state
 resident on the GPU; every state streamed (offload='stream'); streamed with the best share stepped
-by the host (the host-computed placement: gradient down, parameter up); and offload='auto''s
-resident states (the engine's automatic budget on this GPU) with the best host share of the rest.
+by the host (the host-computed placement: gradient and parameter down, parameter up); and
+offload='auto''s resident states (the engine's automatic budget on this GPU) with the best host
+share of the rest.
 Each row gives the GPU bytes (parameters, gradients, resident states, streaming buffers; activations
 are not counted: ``--reserve`` sets bytes aside for them), the host bytes, the bytes over the link
 each way, the predicted step and what bounds it, and whether it fits. The row marked ``*`` is the
