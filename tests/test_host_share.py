@@ -304,6 +304,7 @@ def test_a_worker_task_that_failed_leaves_the_step_incomplete(placement, monkeyp
     train(params, opt, 1)
     saved = copy.deepcopy(opt.state_dict())
     want = [p.detach().clone() for p in params]
+    train(params, opt, range(1, 3))  # the failed step's parameters are not the checkpoint's
     failing = monkeypatch.context()
     with failing as patched:
         patched.setattr(host_share, "ops", type("FailingOps", (), {"run_update": staticmethod(fail)}))
@@ -320,5 +321,7 @@ def test_a_worker_task_that_failed_leaves_the_step_incomplete(placement, monkeyp
         for p, value in zip(params, want):
             p.copy_(value)
     opt.load_state_dict(saved)
+    opt.state_dict()  # (the host waited for everything: nothing of the failed step is copied up)
+    assert all(torch.equal(p.detach(), value) for p, value in zip(params, want))
     train(params, opt, range(1, 3))
     assert opt.state_dict()["state"][0]["step"] == 3

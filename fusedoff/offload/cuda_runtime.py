@@ -57,7 +57,10 @@ class CudaRuntime(Runtime):
         # the Python thread goes on queueing while a task runs; the event wait releases it too.
         worker = self.__dict__.get("_worker")
         if worker is None:
-            worker = self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusedoff-host")
+            # (its current device is this one: an event synchronize on a thread whose current device
+            # is the default would create a CUDA context on GPU 0 in every rank)
+            worker = self._worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="fusedoff-host", initializer=torch.cuda.set_device, initargs=(self.device,))
 
         def task() -> None:
             if after is not None:

@@ -201,7 +201,14 @@ class HostShare:
         if self.task is None and not self._to_copy_up:
             return self.copied_up
         rt = bucket.runtime
-        self._wait_for_worker(rt)  # (if it raises, the task is waited for again next time)
+        try:
+            self._wait_for_worker(rt)
+        except Exception:
+            # The task failed: its parameters are half stepped in the pinned buffer and must never
+            # be copied up (the step is incomplete; a checkpoint loaded next restores the device's).
+            self.task, self._to_copy_up = None, []
+            raise
+        # (an interrupt of the wait leaves the task and its copies back to wait for again)
         self.task = None
         up = bucket.pipeline.copy_in
         for t in self._to_copy_up:
