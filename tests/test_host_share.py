@@ -14,6 +14,7 @@ and every state are compared, bit for bit, with the share-0 run.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -325,3 +326,21 @@ def test_a_worker_task_that_failed_leaves_the_step_incomplete(placement, monkeyp
     assert all(torch.equal(p.detach(), value) for p, value in zip(params, want))
     train(params, opt, range(1, 3))
     assert opt.state_dict()["state"][0]["step"] == 3
+
+
+@pytest.mark.parametrize("backend,sums,refused", [("triton", False, "needs backend='cuda'"),
+                                                  ("torch", False, "needs backend='cuda'"),
+                                                  ("cuda", True, "sums over whole tensors"),
+                                                  ("cuda", False, None)])
+def test_on_a_gpu_a_share_is_refused_where_the_host_would_not_give_the_device_s_bits(backend, sums, refused):
+    """The host kernels give the CUDA kernels' bits (test_the_host_kernels_give_the_cuda_kernels_bits),
+    not a Triton kernel's or torch's, and they sum whole tensors (Apollo) in another order: those
+    buckets refuse a share (HostShare.prepare, before the step changes anything). No GPU needed: the
+    check reads the device's type."""
+    check = functools.partial(host_share.check_host_computable, torch.device("cuda", 0), backend, sums)
+    if refused is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check()
+    host_share.check_host_computable(torch.device("cpu"), backend if backend != "cuda" else "cpu", sums)  # one kernel

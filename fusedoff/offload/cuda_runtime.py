@@ -60,7 +60,7 @@ class CudaRuntime(Runtime):
             # (its current device is this one: an event synchronize on a thread whose current device
             # is the default would create a CUDA context on GPU 0 in every rank)
             worker = self._worker = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="fusedoff-host", initializer=torch.cuda.set_device, initargs=(self.device,))
+                1, thread_name_prefix="fusedoff-host", initializer=_use_device, initargs=(self.device,))
 
         def task() -> None:
             if after is not None:
@@ -157,3 +157,9 @@ def _loaded_cudart() -> ctypes.CDLL | None:
     torch_runtime = [p for p in paths if p.endswith(f"libcudart.so.{major}") or f"libcudart.so.{major}." in p]
     paths = torch_runtime or paths
     return ctypes.CDLL(paths[0]) if paths else None
+
+
+def _use_device(device: torch.device) -> None:
+    """The worker thread's current CUDA device (where a driver is: tests run the worker without one)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)

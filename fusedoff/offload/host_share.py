@@ -84,6 +84,24 @@ def host_backend(backend: str) -> str:
     return "cpu"
 
 
+def check_host_computable(device: torch.device, backend: str, sums_whole_tensors: bool) -> None:
+    """Raises where a tensor stepped by the host kernels would not get, bit for bit, the result the
+    device's kernels give it (see [note: the host share of a step]); then, if the host kernels
+    cannot run here, says what is missing. On host tensors both are the same kernels."""
+    if device.type != "cpu":
+        if backend != "cuda":
+            raise ValueError(f"fusedoff: host_share > 0 on {device} needs backend='cuda' (this bucket runs "
+                             f"{backend!r}): the host kernels give the CUDA kernels' results bit for bit, not "
+                             f"{backend!r}'s, so a tensor's result would depend on where it was stepped; "
+                             "use backend='cuda' or host_share=0")
+        if sums_whole_tensors:
+            raise ValueError(f"fusedoff: host_share > 0 on {device} is refused for an update that sums over whole "
+                             "tensors (Apollo): the host kernels sum in another order than the CUDA kernels, so a "
+                             "host-computed tensor's result would differ from a device-computed one in the last "
+                             "bits; use host_share=0")
+    backend_named(host_backend(backend)).require()
+
+
 @dataclass
 class HostRun:
     """One step of a bucket's host-computed tensors, prepared (every allocation made)."""
@@ -131,6 +149,7 @@ class HostShare:
     def prepare(self, bucket, update: FusedUpdate, tensors: list[int], grads: list[Tensor]) -> HostRun:
         """The host's step of `tensors` of `bucket` (their flat gradients `grads`): buffers and
         statistics allocated, the host kernels' calls made."""
+        check_host_computable(bucket.device, update.backend, bool(update.stats_columns))
         stats = None
         if update.stats_columns:
             stats = torch.zeros(len(bucket.params), update.stats_columns, dtype=torch.float64)
@@ -245,4 +264,4 @@ def _host_like(buffer: Tensor, value: Tensor) -> Tensor:
     return buffer.reshape(value.shape)
 
 
-__all__ = ["HostShare", "check_host_share", "host_computed", "host_share_of"]
+__all__ = ["HostShare", "check_host_computable", "check_host_share", "host_computed", "host_share_of"]
