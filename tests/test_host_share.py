@@ -96,9 +96,8 @@ def training_run(make_opt, dtype, share, *, sim=None):
         if step == LOAD_AT:  # into an optimizer whose share is another
             saved = copy.deepcopy(opt.state_dict())
             opt = make_opt(groups, share)
-            opt.load_state_dict(saved)
-            for group in opt.param_groups:  # (the checkpoint's groups carry the share they were saved with)
-                group["host_share"] = share
+            opt.load_state_dict(saved)  # (saved with the other share: each optimizer keeps its own)
+            assert [group["host_share"] for group in opt.param_groups] == [share] * len(opt.param_groups)
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in params], seen, stats
 
@@ -344,3 +343,21 @@ def test_on_a_gpu_a_share_is_refused_where_the_host_would_not_give_the_device_s_
         with pytest.raises(ValueError, match=refused):
             check()
     host_share.check_host_computable(torch.device("cpu"), backend if backend != "cuda" else "cpu", sums)  # one kernel
+
+
+def test_a_checkpoint_saved_with_a_share_loads_into_an_optimizer_that_keeps_every_state_on_the_device():
+    """Where a tensor is stepped is the loading run's choice, as its device budget is: a checkpoint of
+    an optimizer with a share loads into one with offload='none', which goes on as the saving one does."""
+    params = make_params(SHAPES)
+    sharing = fusedoff.AdamW(params, offload="stream", chunk_size=32, backend="cpu", host_share=0.5)
+    train(params, sharing, 2)
+    saved = copy.deepcopy(sharing.state_dict())
+    assert saved["param_groups"][0]["host_share"] == 0.5
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    resident = fusedoff.AdamW(copies, offload="none", backend="cpu")
+    resident.load_state_dict(saved)
+    assert resident.param_groups[0]["host_share"] == 0.0
+    train(params, sharing, range(2, 4))
+    train(copies, resident, range(2, 4))
+    for p, q in zip(params, copies):
+        assert_bitwise_equal(p.detach(), q.detach())

@@ -93,6 +93,7 @@ class FusedOptimizer(Optimizer):
         self.state = OptimizerState(self._engine.wait_host, dict.items(self.state))
 
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
+        self.register_load_state_dict_pre_hook(checkpoint.keep_own_host_share)
         self.register_load_state_dict_pre_hook(checkpoint.checked_against_saved_forms)
         self._set_aside_hook = self.register_load_state_dict_pre_hook(checkpoint.set_states_aside)
         self.register_load_state_dict_post_hook(checkpoint.place_states, prepend=True)

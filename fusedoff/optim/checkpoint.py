@@ -37,6 +37,7 @@ from torch import Tensor
 from fusedoff import formats
 from fusedoff.formats import MASTER, Role
 from fusedoff.kernels import codec
+from fusedoff.offload.host_share import HOST_SHARE_KEY
 from fusedoff.sharding import blocks_touched, is_dtensor, like_param, local_tensor, state_for_param
 
 # An empty tensor beside the decoded 8-bit moments of a shard in a state dict for torch.save (see
@@ -97,6 +98,19 @@ def set_states_aside(optimizer, state_dict: dict) -> dict:
     # The codec version a group was saved with describes its states, not the group: not loaded.
     groups = [{k: v for k, v in g.items() if k != codec.CODEC_VERSION_KEY} for g in state_dict["param_groups"]]
     return {**state_dict, "state": others, "param_groups": groups}
+
+
+def keep_own_host_share(optimizer, state_dict: dict) -> dict:
+    """The pre-hook that keeps each group's own ``host_share``: where a tensor is stepped is this
+    run's choice, as its device budget is (the checkpoint may come from another machine, or from an
+    optimizer with ``offload='none'``), and every share gives the same bits. A group torch cannot
+    match by position is left as saved (torch refuses the dict)."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return state_dict
+    kept = [{**saved, HOST_SHARE_KEY: own.get(HOST_SHARE_KEY, 0.0)} if isinstance(saved, dict) else saved
+            for saved, own in zip(groups, optimizer.param_groups)]
+    return {**state_dict, "param_groups": kept}
 
 
 def place_states(optimizer) -> None:
