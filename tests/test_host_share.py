@@ -237,9 +237,11 @@ def test_share_0_places_as_before_and_a_share_moves_only_streamed_tensors():
 
     assert host_computed([7, 40, 165, 16], [True] * 4, 0.0) == [False] * 4
     assert host_computed([7, 40, 165, 16], [True] * 4, 1.0) == [True] * 4
-    assert host_computed([7, 40, 165, 16], [True] * 4, 0.3) == [True, True, False, False]  # 47 <= 68.4 < 212
-    assert host_computed([7, 40, 165, 16], [False, True, True, True], 0.3) == [False, True, False, False]
-    assert host_computed([300, 7], [True, True], 0.5) == [False, False]  # a prefix: the first misfit ends it
+    # 0.3 of 228 is 68.4: 7 and 40 fit (47), 165 does not, 16 does (63)
+    assert host_computed([7, 40, 165, 16], [True] * 4, 0.3) == [True, True, False, True]
+    # a resident tensor counts for nothing: 0.3 of 221 is 66.3: 40, then 16 (56)
+    assert host_computed([7, 40, 165, 16], [False, True, True, True], 0.3) == [False, True, False, True]
+    assert host_computed([300, 7], [True, True], 0.5) == [False, True]  # a tensor too large does not end it
 
 
 def test_the_cuda_runtime_s_worker_runs_its_tasks_in_order_off_the_calling_thread():

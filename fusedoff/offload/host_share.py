@@ -65,13 +65,11 @@ def host_share_of(group: dict) -> float:
 
 def host_computed(numels: Sequence[int], eligible: Sequence[bool], share: float) -> list[bool]:
     """Which of a bucket's tensors are host-computed: see [note: the host share] in placement.py."""
-    limit = share * sum(n for n, e in zip(numels, eligible) if e)
-    flags, taken, full = [], 0, share <= 0.0
+    left = share * sum(n for n, e in zip(numels, eligible) if e)
+    flags = []
     for n, e in zip(numels, eligible):
-        take = e and not full and taken + n <= limit
-        if e and not take:
-            full = True  # a prefix: the first tensor that does not fit ends it
-        taken += n if take else 0
+        take = e and share > 0.0 and n <= left
+        left -= n if take else 0
         flags.append(take)
     return flags
 

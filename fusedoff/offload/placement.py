@@ -17,9 +17,10 @@ they stream. A placement is fixed once made; only the user changes it (a new bud
 part of each of its buckets' streamed tensors to the host: their states stay in host memory and
 the host kernels step them there (see fusedoff/offload/host_share.py). The tensors are chosen
 after the budget placed the bucket, among its streamed tensors (never a resident one: the device
-budget is spent first, as without a share) in placement order: the longest prefix of them whose
-elements add up to at most the share of all their elements (0: none, today's placement exactly;
-1: all). Sharded tensors are skipped (they stay streamed). A share that changes between steps
+budget is spent first, as without a share) in placement order, each taken if it fits in what is
+left of the share of all their elements (0: none, today's placement exactly; 1: all): a tensor
+larger than what is left, an embedding say, stays streamed and the next ones are still taken.
+Sharded tensors are skipped (they stay streamed). A share that changes between steps
 places every state afresh at that step, keeping its value, as a new budget does. The predictions
 (`predict_placement`, `predict_link`) do not know the share yet: they are those of share 0.
 
