@@ -221,9 +221,10 @@ class HostShare:
         try:
             self._wait_for_worker(rt)
         except Exception:
-            # The task failed: its parameters are half stepped in the pinned buffer and must never
-            # be copied up (the step is incomplete; a checkpoint loaded next restores the device's).
-            self.task, self._to_copy_up = None, []
+            # The task, or the wait for it, failed: the step is incomplete and the parameters in the
+            # pinned buffer may be half stepped, so they are never copied up (a checkpoint loaded
+            # next restores the device's). The task stays to be waited for: it may still be running.
+            self._to_copy_up = []
             raise
         # (an interrupt of the wait leaves the task and its copies back to wait for again)
         self.task = None
