@@ -26,8 +26,8 @@ from fusedoff.offload.host_share import HostShare
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.testing.simulator import RaceError, SimulatedRuntime
-from tests import test_overlap
-from tests.helpers import ParameterListModel, assert_bitwise_equal, make_params, train
+from tests import test_adam_optimizer, test_overlap
+from tests.helpers import ParameterListModel, assert_bitwise_equal, make_params, train, train_model
 
 # The first tensors small: a share of 0.3 takes the first one or two streamed tensors, whatever the budget holds.
 SHAPES = [(7,), (40,), (33, 5), (16,), (300,), ()]
@@ -347,13 +347,15 @@ def test_on_a_gpu_a_share_is_refused_where_the_host_would_not_give_the_device_s_
     host_share.check_host_computable(torch.device("cpu"), backend if backend != "cuda" else "cpu", sums)  # one kernel
 
 
-def test_a_checkpoint_saved_with_a_share_loads_into_an_optimizer_that_keeps_every_state_on_the_device():
+def test_a_checkpoint_saved_with_a_share_loads_into_an_optimizer_that_keeps_every_state_on_the_device(tmp_path):
     """Where a tensor is stepped is the loading run's choice, as its device budget is: a checkpoint of
-    an optimizer with a share loads into one with offload='none', which goes on as the saving one does."""
+    an optimizer with a share, saved to a file, loads into one with offload='none', which goes on as
+    the saving one does."""
     params = make_params(SHAPES)
     sharing = fusedoff.AdamW(params, offload="stream", chunk_size=32, backend="cpu", host_share=0.5)
     train(params, sharing, 2)
-    saved = copy.deepcopy(sharing.state_dict())
+    torch.save(sharing.state_dict(), tmp_path / "opt.pt")
+    saved = torch.load(tmp_path / "opt.pt", weights_only=True)
     assert saved["param_groups"][0]["host_share"] == 0.5
     copies = [p.detach().clone().requires_grad_() for p in params]
     resident = fusedoff.AdamW(copies, offload="none", backend="cpu")
@@ -363,3 +365,15 @@ def test_a_checkpoint_saved_with_a_share_loads_into_an_optimizer_that_keeps_ever
     train(copies, resident, range(2, 4))
     for p, q in zip(params, copies):
         assert_bitwise_equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("fused_cls,torch_cls", test_adam_optimizer.PAIRS, ids=["AdamW", "Adam"])
+def test_every_tensor_host_computed_is_as_close_to_float64_as_torch_optim(fused_cls, torch_cls):
+    """A peer on the same inputs: every tensor stepped by the host (share 1) against torch.optim in
+    float64, within test_adam_optimizer's bound (twice torch's own fp32 error, plus an ulp)."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=True)
+    model = test_adam_optimizer.make_model("cpu")
+    opt = fused_cls(model.parameters(), backend="cpu", offload="stream", chunk_size=64, host_share=1.0, **kwargs)
+    train_model(model, opt, 20, test_adam_optimizer.batches(model, "cpu"), loss_in_fp32=True)
+    assert opt.memory_stats()["host_computed_params"] == sum(p.numel() for p in model.parameters())
+    test_adam_optimizer.assert_close_to_float64(model, opt, torch_cls, kwargs, 20, "cpu")
