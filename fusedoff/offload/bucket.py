@@ -74,10 +74,11 @@ class Bucket:
     runtime: Runtime
     before_host_write: Callable[[], None]  # waits for queued copies back into the store
     # The tensors the host steps in host memory (see fusedoff/offload/host_share.py; None: none),
-    # their part, and the group's host share they were placed for.
+    # their part, and the host share they were placed for (and whether it is the automatic one).
     hosted: list[bool] | None = None
     host: HostShare | None = None
     host_share: float = 0.0
+    auto_share: bool = False
     sharded: list[bool] = field(init=False)
     # The object last placed in opt.state[p][name] for each tensor (None: none yet).
     placed: dict[str, list[Tensor | None]] = field(init=False)

@@ -23,6 +23,7 @@ from fusedoff.offload.runtime import Runtime
 class CudaRuntime(Runtime):
     decides_budget = True
     asynchronous = True
+    measures_time = True
 
     def new_stream(self):
         return torch.cuda.Stream(self.device)
@@ -32,6 +33,16 @@ class CudaRuntime(Runtime):
 
     def record(self, stream):
         return stream.record_event()
+
+    def timer(self, stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def seconds(self, start, end) -> float | None:
+        if start is None or end is None or not (start.query() and end.query()):
+            return None
+        return start.elapsed_time(end) / 1e3
 
     def wait_event(self, stream, event) -> None:
         if event is not None:
@@ -60,7 +71,7 @@ class CudaRuntime(Runtime):
             # (its current device is this one: an event synchronize on a thread whose current device
             # is the default would create a CUDA context on GPU 0 in every rank)
             worker = self._worker = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="fusedoff-host", initializer=_use_device, initargs=(self.device,))
+                1, thread_name_prefix="fusedoff-host", initializer=_start_worker, initargs=(self.device, self.host_threads))
 
         def task() -> None:
             if after is not None:
@@ -159,7 +170,21 @@ def _loaded_cudart() -> ctypes.CDLL | None:
     return ctypes.CDLL(paths[0]) if paths else None
 
 
-def _use_device(device: torch.device) -> None:
-    """The worker thread's current CUDA device (where a driver is: tests run the worker without one)."""
+def _start_worker(device: torch.device, threads: int | None) -> None:
+    """The worker thread's current CUDA device (where a driver is: tests run the worker without one)
+    and the OpenMP threads its host kernels use (None: torch's default for a new thread)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
+    if threads is not None:
+        limit_openmp_threads(threads)
+
+
+def limit_openmp_threads(threads: int) -> None:
+    """The calling thread's OpenMP parallel regions (the host kernels': they ask torch's
+    ``at::get_num_threads()``, which is this thread's setting) use `threads` threads. Only this
+    thread's: torch.set_num_threads would also change what every thread started later gets. torch
+    sets a new thread's count at its first parallel call, so that comes first."""
+    from threadpoolctl import threadpool_limits
+
+    torch.get_num_threads()
+    threadpool_limits(threads, user_api="openmp")

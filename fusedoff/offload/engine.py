@@ -38,7 +38,8 @@ from fusedoff import ops
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.contract import LOADED_PARAM_VALUE, FusedUpdate, OptimizerRules, Phase
 from fusedoff.offload.gradients import checked_flat_grads
-from fusedoff.offload.host_share import host_share_of
+from fusedoff.offload.auto_share import AUTO, AutoShares
+from fusedoff.offload.host_share import auto_host_computable, default_host_threads, host_share_of
 from fusedoff.offload.pipeline import StreamPipeline
 from fusedoff.offload.placement import (DEFAULT_CHUNK_SIZE, OFFLOAD_MODES, BucketKey, Placement,
                                         check_device_budget)
@@ -53,10 +54,13 @@ from fusedoff.tensor_layout import check_dense
 
 class OffloadEngine:
     def __init__(self, mode: str, chunk_size: int | None, num_buffers: int, device_budget: int | None,
-                 decided: dict | None = None) -> None:
+                 decided: dict | None = None, host_threads: int | None = None) -> None:
         # What the engine keeps over its life, whatever its placement: the runtimes' link counts,
-        # the most it held on the device, the forward's order, and whether a step failed half done.
-        self.runtimes = DeviceRuntimes()
+        # the most it held on the device, the forward's order, whether a step failed half done, and
+        # the automatic host shares' measurements.
+        self.host_threads = host_threads  # as given (None: default_host_threads())
+        self.runtimes = DeviceRuntimes(default_host_threads() if host_threads is None else host_threads)
+        self.auto_shares = AutoShares()
         self.placement = Placement(mode, chunk_size, num_buffers, device_budget, self.runtimes, decided,
                                    self.wait_host)
         self.schedule = ForwardSchedule()
@@ -71,7 +75,7 @@ class OffloadEngine:
         optimizer also keeps the automatic budget decided at its first step, so that it places alike."""
         placement = self.placement
         config = dict(mode=placement.mode, chunk_size=placement.given_chunk_size, num_buffers=placement.num_buffers,
-                      device_budget=placement.device_budget, decided={})
+                      device_budget=placement.device_budget, decided={}, host_threads=self.host_threads)
         if placement.device_budget is None and placement.mode == "auto":
             config["decided"] = dict(placement.budget.limits)
         return {**config, **changes}
@@ -88,10 +92,20 @@ class OffloadEngine:
         """The streaming buffers a bucket with `states` (names or specs) needs (Placement.buffer_bytes_for)."""
         return self.placement.buffer_bytes_for(states)
 
-    def _place(self, key: BucketKey, params: list[Tensor], backend: str, group: dict) -> Bucket:
-        bucket = self.placement.place(key, params, backend, host_share_of(group))
+    def _place(self, key: BucketKey, params: list[Tensor], backend: str, group: dict, rules: OptimizerRules) -> Bucket:
+        option, measurable = host_share_of(group), False
+        if option == AUTO:
+            update = rules._fused_update(group, backend, None, None, tuple(s.name for s in key.specs), params)
+            measurable = auto_host_computable(key.device, backend, bool(update.stats_columns),
+                                              self.runtimes.of(key.device))
+        bucket = self.placement.place(key, params, backend, self.auto_shares.share(option, key.device, measurable),
+                                      auto_share=measurable)
         self._device_peak = max(self._device_peak, self.placement.device_bytes)
         return bucket
+
+    def _share_of(self, group: dict, bucket: Bucket) -> float:
+        """The host share `bucket` would be placed with now (see [note: the automatic host share])."""
+        return self.auto_shares.share(host_share_of(group), bucket.device, bucket.auto_share)
 
     # ---- re-placement ---------------------------------------------------------------------------------
     def drop_placement(self, **changes) -> None:
@@ -100,8 +114,10 @@ class OffloadEngine:
         `changes` to its configuration (``device_budget``). The caller has waited for the copies back
         (`wait_host`): no queued work is left on the old buckets."""
         config = {**self.config(decided={}), **changes}
+        config.pop("host_threads")  # (the runtimes' setting, kept over the engine's life)
         self._device_peak = max(self._device_peak, self.placement.device_bytes)  # the most held, over its life
         self.runtimes.retire()
+        self.auto_shares.placed()
         self.placement = Placement(**config, runtimes=self.runtimes, wait_host=self.wait_host)
         self._host_pending = False
 
@@ -123,6 +139,7 @@ class OffloadEngine:
             self.join()  # before this one counts steps
         if self.incomplete is not None:
             raise StepIncompleteError(self.incomplete)
+        self.auto_shares.observe()  # (the last step's host work was waited for: by its join, or just above)
         self.runtimes.step_started()
         placement = self.placement
         placement.forget_groups_from(len(groups))
@@ -131,7 +148,7 @@ class OffloadEngine:
         if placement.storage_changed(groups, rules):
             self.place_loaded(groups, state, rules)  # states kept afresh in the groups' new form
             placement = self.placement
-        elif placement.share_changed(groups):  # placed afresh below, values kept (as for a new budget)
+        elif placement.share_changed(groups, self._share_of):  # placed afresh below, values kept (as for a new budget)
             self.wait_host()
             self.drop_placement(decided=self.config()["decided"])
             placement = self.placement
@@ -161,6 +178,7 @@ class OffloadEngine:
             for param in created:
                 dict.pop(state, param, None)
             raise
+        timings = self.auto_shares.start(runs)
         with interrupts_held():
             try:
                 for increment in increments:
@@ -168,9 +186,11 @@ class OffloadEngine:
                 if self.schedule.order is None:
                     for run in runs:
                         self._run(run, overlapped=False)
+                    self.auto_shares.stop(timings)
                     self._join_host_share()  # (last: the host computed while the device streamed)
                 else:
                     self._run_in_forward_order(runs)
+                    self.auto_shares.stop(timings)
             except BaseException as error:
                 self.incomplete = incomplete_message(error)
                 self._settle_after()
@@ -201,7 +221,7 @@ class OffloadEngine:
         for w in work:
             bucket = self.buckets.get(w.key)
             if bucket is None:
-                bucket = self._place(w.key, w.members, rules._resolve_backend(w.group, w.key.device), w.group)
+                bucket = self._place(w.key, w.members, rules._resolve_backend(w.group, w.key.device), w.group, rules)
                 bucket.check_layouts(w.stepping)
             divisor, found_inf = scaling(bucket.device)
             update = rules._fused_update(w.group, bucket.backend, divisor, found_inf, bucket.names, bucket.params)
@@ -349,7 +369,8 @@ class OffloadEngine:
                                 values[name] = value.to(torch.float32)
                     continue
                 bucket = placement.buckets.get(key) or self._place(key, params,
-                                                                   rules._resolve_backend(group, key.device), group)
+                                                                   rules._resolve_backend(group, key.device), group,
+                                                                   rules)
                 for t, p in loaded:
                     values = dict.get(state, p)
                     values.clear()
@@ -376,7 +397,8 @@ class OffloadEngine:
     # ---- memory ----------------------------------------------------------------------------------
     def memory_stats(self) -> dict:
         self._device_peak = max(self._device_peak, self.placement.device_bytes)
-        return self.placement.memory_stats(self.runtimes, self._device_peak)
+        return {**self.placement.memory_stats(self.runtimes, self._device_peak),
+                "host_share_auto": self.auto_shares.report()}
 
 
 class _Work(NamedTuple):

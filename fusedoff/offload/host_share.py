@@ -31,6 +31,7 @@ are completed over ranks on the main stream between phases).
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from fusedoff import ops
 from fusedoff.backends import backend_named
+from fusedoff.offload.auto_share import AUTO
 from fusedoff.offload.contract import FusedUpdate, StateSpec, UpdateArgs
 from fusedoff.offload.plan import ALIGN_ELEMENTS, ChunkPlan, round_up
 from fusedoff.offload.runtime import Runtime
@@ -49,18 +51,43 @@ HOST_SHARE_KEY = "host_share"  # the param-group option
 
 def check_host_share(value, mode: str) -> None:
     """Raises if `value` cannot be a ``host_share`` with offload `mode`."""
+    if value == AUTO:
+        return  # (0 wherever nothing streams)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"host_share must be a number in [0, 1] (the fraction of each bucket's streamed elements "
-                         f"the host steps), got {value!r}")
+        raise ValueError(f"host_share must be 'auto' or a number in [0, 1] (the fraction of each bucket's streamed "
+                         f"elements the host steps), got {value!r}")
     if value and mode == "none":
         raise ValueError("host_share applies to offload='stream' or 'auto'; offload='none' keeps every state on "
                          "the device, and the host computes the share of streamed states only")
 
 
-def host_share_of(group: dict) -> float:
-    """The share of its buckets' streamed elements that `group`'s tensors step on the host: the one
-    place the placement asks (a share chosen from measured rates would be decided here)."""
-    return float(group.get(HOST_SHARE_KEY, 0.0))
+def host_share_of(group: dict) -> float | str:
+    """`group`'s ``host_share`` as given: a fraction of its buckets' streamed elements, or "auto"
+    (see [note: the automatic host share] in auto_share.py)."""
+    value = group.get(HOST_SHARE_KEY, AUTO)
+    return value if value == AUTO else float(value)
+
+
+def default_host_threads() -> int:
+    """The host worker's threads where ``host_threads`` is not given: the CPUs this process may run
+    on, split among the node's ranks where the launcher did not already split them
+    (``LOCAL_WORLD_SIZE``: torchrun's; an affinity narrower than the machine is taken as already
+    split), less one each for the Python thread that queues the next forward and the data loader's
+    main loop. Data loader workers are processes of their own: pass fewer where they need cores."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cpus = os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    if cpus < (os.cpu_count() or cpus):
+        ranks = 1
+    return max(1, cpus // ranks - 1)
+
+
+def check_host_threads(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+        raise ValueError(f"host_threads must be None (the default: see default_host_threads) or an integer >= 1, "
+                         f"got {value!r}")
 
 
 def host_computed(numels: Sequence[int], eligible: Sequence[bool], share: float) -> list[bool]:
@@ -82,22 +109,43 @@ def host_backend(backend: str) -> str:
     return "cpu"
 
 
+def _inexact_on_host(device: torch.device, backend: str, sums_whole_tensors: bool) -> str | None:
+    """Why a tensor stepped by the host kernels would not get, bit for bit, the result the device's
+    kernels give it (None: it would; on host tensors both are the same kernels)."""
+    if device.type == "cpu":
+        return None
+    if backend != "cuda":
+        return (f"fusedoff: host_share > 0 on {device} needs backend='cuda' (this bucket runs {backend!r}): the host "
+                f"kernels give the CUDA kernels' results bit for bit, not {backend!r}'s, so a tensor's result would "
+                "depend on where it was stepped; use backend='cuda' or host_share=0")
+    if sums_whole_tensors:
+        return (f"fusedoff: host_share > 0 on {device} is refused for an update that sums over whole tensors "
+                "(Apollo): the host kernels sum in another order than the CUDA kernels, so a host-computed tensor's "
+                "result would differ from a device-computed one in the last bits; use host_share=0")
+    return None
+
+
 def check_host_computable(device: torch.device, backend: str, sums_whole_tensors: bool) -> None:
-    """Raises where a tensor stepped by the host kernels would not get, bit for bit, the result the
-    device's kernels give it (see [note: the host share of a step]); then, if the host kernels
-    cannot run here, says what is missing. On host tensors both are the same kernels."""
-    if device.type != "cpu":
-        if backend != "cuda":
-            raise ValueError(f"fusedoff: host_share > 0 on {device} needs backend='cuda' (this bucket runs "
-                             f"{backend!r}): the host kernels give the CUDA kernels' results bit for bit, not "
-                             f"{backend!r}'s, so a tensor's result would depend on where it was stepped; "
-                             "use backend='cuda' or host_share=0")
-        if sums_whole_tensors:
-            raise ValueError(f"fusedoff: host_share > 0 on {device} is refused for an update that sums over whole "
-                             "tensors (Apollo): the host kernels sum in another order than the CUDA kernels, so a "
-                             "host-computed tensor's result would differ from a device-computed one in the last "
-                             "bits; use host_share=0")
+    """Raises where a host-computed tensor's result would depend on where it was stepped (see [note:
+    the host share of a step]); then, if the host kernels cannot run here, says what is missing."""
+    reason = _inexact_on_host(device, backend, sums_whole_tensors)
+    if reason is not None:
+        raise ValueError(reason)
     backend_named(host_backend(backend)).require()
+
+
+def auto_host_computable(device: torch.device, backend: str, sums_whole_tensors: bool, runtime: Runtime) -> bool:
+    """Whether host_share="auto" may host a bucket's tensors: its runtime measures the step, its
+    results do not depend on where a tensor is stepped, and the host kernels run here (else "auto"
+    is 0, where a fraction would raise)."""
+    if not runtime.measures_time or _inexact_on_host(device, backend, sums_whole_tensors) is not None:
+        return False
+    host = backend_named(host_backend(backend))
+    try:
+        host.require()
+    except Exception:  # noqa: BLE001 (whatever says the host kernels are missing: "auto" does without them)
+        return False
+    return True
 
 
 @dataclass
@@ -133,6 +181,8 @@ class HostShare:
         self.task = None  # the worker's task of the last step, until the host has waited for it
         self._to_copy_up: list[int] = []  # tensors whose parameter goes back once the task is done
         self.copied_up = None  # the event of the last copy back of parameters
+        self.copied_down = None  # the (timer) event of the last step's copies down
+        self.compute_s = 0.0  # the host kernels' seconds in the last step's task (set by the worker)
 
     @property
     def numel(self) -> int:
@@ -194,19 +244,22 @@ class HostShare:
         update, calls = run.update, run.calls
 
         def compute() -> None:
+            began = rt.now()
             with torch.no_grad():  # (grad mode is per thread: the worker's is not the step's)
                 for phase in update.phases:  # whole tensors: each phase sees the previous one's sums
                     for args in calls:
                         ops.run_update(update, phase, args)
+            self.compute_s = rt.now() - began  # (read once the host waited for the task)
 
         writes = run.touched
-        self.task = rt.host_compute(compute, after=self._copied_down(rt, down), reads=writes, writes=writes)
+        self.copied_down = self._copied_down(rt, down)
+        self.task = rt.host_compute(compute, after=self.copied_down, reads=writes, writes=writes)
         self._to_copy_up = list(run.tensors)
 
     def _copied_down(self, rt: Runtime, down):
-        """The event the worker waits for: the copies down are done."""
-        loaded = rt.record(down)
-        return loaded
+        """The event the worker waits for: the copies down are done (a timer: host_share="auto"
+        reads when they were)."""
+        return rt.timer(down)
 
     def _wait_for_worker(self, rt: Runtime) -> None:
         """The host waits for the worker's task (before the copy back reads what it wrote)."""
@@ -263,4 +316,5 @@ def _host_like(buffer: Tensor, value: Tensor) -> Tensor:
     return buffer.reshape(value.shape)
 
 
-__all__ = ["HostShare", "check_host_computable", "check_host_share", "host_computed", "host_share_of"]
+__all__ = ["HostShare", "auto_host_computable", "check_host_computable", "check_host_share", "check_host_threads",
+           "default_host_threads", "host_computed", "host_share_of"]

@@ -13,8 +13,9 @@ placement and the bytes of a step (without a host share: see the note).
 they stream. A placement is fixed once made; only the user changes it (a new budget, or
 `load_state_dict`, which re-places every state).
 
-[note: the host share] A param group's ``host_share`` (`host_share_of`: a number in [0, 1]) moves
-part of each of its buckets' streamed tensors to the host: their states stay in host memory and
+[note: the host share] A param group's ``host_share`` (a number in [0, 1], or "auto": the engine
+resolves it, see [note: the automatic host share] in auto_share.py) moves part of each of its
+buckets' streamed tensors to the host: their states stay in host memory and
 the host kernels step them there (see fusedoff/offload/host_share.py). The tensors are chosen
 after the budget placed the bucket, among its streamed tensors (never a resident one: the device
 budget is spent first, as without a share) in placement order, each taken if it fits in what is
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from fusedoff.offload.bucket import Bucket
 from fusedoff.offload.contract import OptimizerRules, Phase, StateSpec, moved, state_specs
-from fusedoff.offload.host_share import HostShare, host_computed, host_share_of
+from fusedoff.offload.host_share import HostShare, host_computed
 from fusedoff.offload.pipeline import StreamPipeline, buffer_regions, pass_link_bytes
 from fusedoff.offload.plan import ALIGN_ELEMENTS, ChunkPlan, aligned_chunk_size, round_up
 from fusedoff.offload.runtime import LinkBytes
@@ -252,12 +253,14 @@ class Placement:
                 return True
         return False
 
-    def share_changed(self, groups: list[dict]) -> bool:
-        """True when a group's host share is not the one its placed buckets were placed for."""
-        return any(key.group_index < len(groups) and host_share_of(groups[key.group_index]) != bucket.host_share
+    def share_changed(self, groups: list[dict], share_of: Callable[[dict, Bucket], float]) -> bool:
+        """True when a group's host share (`share_of(group, bucket)`, as the engine resolves it for a
+        placed bucket) is not the one its placed buckets were placed for."""
+        return any(key.group_index < len(groups) and share_of(groups[key.group_index], bucket) != bucket.host_share
                    for key, bucket in self.buckets.items())
 
-    def place(self, key: BucketKey, params: list[Tensor], backend: str, host_share: float = 0.0) -> Bucket:
+    def place(self, key: BucketKey, params: list[Tensor], backend: str, host_share: float = 0.0, *,
+              auto_share: bool = False) -> Bucket:
         """The bucket of `key` placed: each tensor's states resident while they fit in the device's
         budget (decided now where it is not yet), the rest in a host store streamed through the
         device's pipeline, or `host_share` of them host-computed (see [note: the host share])."""
@@ -285,7 +288,7 @@ class Placement:
             host = HostShare(self.chunk_plan([n if h else 0 for n, h in zip(numels, hosted)], specs), specs,
                              key.dtype, len(params), rt)
         bucket = self.buckets[key] = Bucket(params, {s.name: s for s in specs}, backend, resident, plan, store,
-                                            pipeline, rt, self.wait_host, hosted, host, host_share)
+                                            pipeline, rt, self.wait_host, hosted, host, host_share, auto_share)
         self._buckets_changed()  # a parameter set's chunks may lie in this bucket
         return bucket
 

@@ -39,11 +39,19 @@ class BucketRun:
     host: HostRun | None  # the host-computed tensors' step (None: none steps)
 
     @property
+    def streamed_numel(self) -> int:
+        """The elements whose states this run streams."""
+        return sum(self.bucket.plan.numels[t] for t in self.grads_of)
+
+    @property
+    def hosted_numel(self) -> int:
+        """The elements the host steps in this run."""
+        return sum(self.bucket.host.plan.numels[t] for t in self.host.tensors) if self.host is not None else 0
+
+    @property
     def moved_numel(self) -> int:
         """The elements whose states or parameters this run moves over the link."""
-        plan = self.bucket.plan
-        host = sum(self.bucket.host.plan.numels[t] for t in self.host.tensors) if self.host is not None else 0
-        return sum(plan.numels[t] for t in self.grads_of) + host
+        return self.streamed_numel + self.hosted_numel
 
     @classmethod
     def prepare(cls, bucket: Bucket, update: FusedUpdate, stepping: list[int], grads: list[Tensor],

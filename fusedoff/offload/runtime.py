@@ -31,6 +31,7 @@ copies each way in `link`; `memory_stats()` reports it (per step, in total, per 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ class Runtime:
     decides_budget = False  # offload='auto' decides a budget from the device's memory at the first step
     asynchronous = False  # copies overlap the host: host memory is page-locked for them
     records_accesses = False  # host_access/main_access are recorded (the simulator's race checker)
+    measures_time = False  # `seconds` gives the device's times (host_share="auto" measures its steps)
+    host_threads: int | None = None  # threads of the host worker's kernels (None: the process's default)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -91,6 +94,19 @@ class Runtime:
     def record(self, stream):
         """An event completed when `stream`'s work queued so far is done."""
         raise NotImplementedError
+
+    def timer(self, stream):
+        """An event as `record`'s whose time `seconds` can read once it is complete."""
+        return self.record(stream)
+
+    def now(self) -> float:
+        """The host's clock, in seconds (the host worker times its kernels with it)."""
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float | None:
+        """Seconds from `start` to `end` (two `timer` events) where both are complete and this
+        runtime `measures_time`; None otherwise (never waits)."""
+        return None
 
     def wait_event(self, stream, event) -> None:
         """`stream`'s later work waits for `event` (None: nothing to wait for)."""

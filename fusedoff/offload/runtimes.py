@@ -44,7 +44,8 @@ class DeviceRuntimes:
     they copied between host memory and the devices (each runtime counts its own in ``link``):
     over the engine's life, the runtimes of its earlier placements included, and in its last step."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_threads: int | None = None) -> None:
+        self.host_threads = host_threads  # the host worker's threads, given to each runtime made
         self._by_device: dict[torch.device, Runtime] = {}
         self._retired = LinkBytes()  # copied by the runtimes of earlier placements
         self._at_step_start = LinkBytes()
@@ -55,6 +56,7 @@ class DeviceRuntimes:
         rt = self._by_device.get(device)
         if rt is None:
             rt = self._by_device[device] = runtime_for(device)
+            rt.host_threads = self.host_threads
         return rt
 
     def __getitem__(self, device: torch.device) -> Runtime:

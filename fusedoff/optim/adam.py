@@ -49,7 +49,8 @@ class Adam(FusedOptimizer):
         state_precision: str = "fp32",
         seed: int = 0,
         master_precision: str = "fp32",
-        host_share: float = 0.0,
+        host_share: float | str = "auto",
+        host_threads: int | None = None,
     ) -> None:
         # torch's refusals first, in its order; then what fusedoff cannot do (capturable, differentiable).
         betas = _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
@@ -59,7 +60,7 @@ class Adam(FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay, state_precision=state_precision, seed=seed)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
-                         master_precision=master_precision, host_share=host_share)
+                         master_precision=master_precision, host_share=host_share, host_threads=host_threads)
         owner = zero_redundancy_owner()  # ZeRO-1's local optimizer: keys by ZeRO's (global) state dict
         self._zero_owner = weakref.ref(owner) if owner is not None else None
 
@@ -175,11 +176,18 @@ class AdamW(Adam):
         device_budget: bytes of state the optimizer may keep on the parameters' device besides
             its buffers (per device), filled in param-group order; the rest streams. Not with
             offload="none". ``set_device_budget()`` changes it later.
-        host_share: the fraction (0 to 1, default 0) of each bucket's streamed elements whose states
-            the host steps where they live, in host memory: only the gradient and the parameter
-            cross the link (see [note: the host share] in fusedoff/offload/placement.py). A
-            param-group option; a change between steps places the states afresh, keeping their
-            values. Not with offload="none". Every result is the same bit for bit whatever the share.
+        host_share: "auto" (the default), or the fraction (0 to 1) of each bucket's streamed
+            elements whose states the host steps where they live, in host memory: only the
+            gradient and the parameter cross the link (see [note: the host share] in
+            fusedoff/offload/placement.py). "auto" chooses it from what the steps measure, on CUDA
+            parameters with streamed states and backend "cuda" (see [note: the automatic host
+            share] in fusedoff/offload/auto_share.py; ``memory_stats()["host_share_auto"]``), and
+            is 0 elsewhere. A param-group option; a change between steps places the states afresh,
+            keeping their values. A fraction above 0 is refused with offload="none". Every result
+            is the same bit for bit whatever the share.
+        host_threads: the threads of the host share's kernels (default: the CPUs this process may
+            use, split among a node's ranks, less one: see
+            ``fusedoff.offload.host_share.default_host_threads``).
 
     ``state_dict()`` uses torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``),
     plus ``master_param`` when master weights are kept. Honours ``torch.amp.GradScaler`` like
@@ -212,14 +220,15 @@ class AdamW(Adam):
         state_precision: str = "fp32",
         seed: int = 0,
         master_precision: str = "fp32",
-        host_share: float = 0.0,
+        host_share: float | str = "auto",
+        host_threads: int | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, backend=backend, master_weights=master_weights,
                          offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
                          state_precision=state_precision, seed=seed, master_precision=master_precision,
-                         host_share=host_share)
+                         host_share=host_share, host_threads=host_threads)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

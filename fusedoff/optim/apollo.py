@@ -45,7 +45,7 @@ class Apollo(FusedOptimizer):
             constant rebound and 'decoupled' for belief.
         state_precision: "fp32" only (see the README's "Compressed optimizer states").
         backend, master_weights, master_precision, offload, chunk_size, num_buffers, device_budget,
-            host_share: as for
+            host_share, host_threads: as for
             :class:`fusedoff.AdamW`. Streamed chunks holding only whole tensors run every phase in
             one visit; the chunks of tensors spanning chunks are streamed once per phase (reduce,
             apply; with 'stable' decay reduce, moments, finish), since the sums cover whole tensors.
@@ -61,12 +61,13 @@ class Apollo(FusedOptimizer):
                  weight_decay_type: str | None = None, *, backend: str = "auto",
                  master_weights: bool | None = None, offload: str = "auto", chunk_size: int | None = None,
                  num_buffers: int = 2, device_budget: int | None = None, state_precision: str = "fp32",
-                 master_precision: str = "fp32", host_share: float = 0.0) -> None:
+                 master_precision: str = "fp32", host_share: float | str = "auto",
+                 host_threads: int | None = None) -> None:
         self._check_state_options({"state_precision": state_precision})
         defaults = _checked_defaults(lr, beta, eps, rebound, warmup, init_lr, weight_decay, weight_decay_type)
         super().__init__(params, defaults, backend=backend, master_weights=master_weights, offload=offload,
                          chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
-                         master_precision=master_precision, host_share=host_share)
+                         master_precision=master_precision, host_share=host_share, host_threads=host_threads)
 
     def _register_hooks(self) -> None:  # at construction and in every copy (deepcopy, pickle)
         super()._register_hooks()

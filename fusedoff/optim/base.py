@@ -24,7 +24,8 @@ from fusedoff.formats import MASTER, Role, StoredForm, check_master_options
 from fusedoff.kernels import codec
 from fusedoff.offload import OffloadEngine
 from fusedoff.offload.contract import FusedUpdate, Phase, StateSpec
-from fusedoff.offload.host_share import HOST_SHARE_KEY, check_host_share
+from fusedoff.offload.auto_share import AUTO
+from fusedoff.offload.host_share import HOST_SHARE_KEY, check_host_share, check_host_threads
 from fusedoff.offload.transaction import StepIncompleteError
 from fusedoff.optim import checkpoint, clipping
 from fusedoff.optim.overlap import OverlapHandle, overlap_with
@@ -67,18 +68,21 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, *, backend: str, master_weights: bool | None, offload: str = "auto",
                  chunk_size: int | None = None, num_buffers: int = 2, device_budget: int | None = None,
-                 master_precision: str = "fp32", host_share: float = 0.0) -> None:
+                 master_precision: str = "fp32", host_share: float | str = "auto",
+                 host_threads: int | None = None) -> None:
         if backend != "auto":
             backend_named(backend)  # raises, naming the backends there are
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
         check_master_options(master_precision, master_weights)
         check_host_share(host_share, offload)
+        check_host_threads(host_threads)
         if "state_precision" in defaults:
             # which 8-bit map the group's codes are in: in every group, so that whatever copies the
             # groups (a state dict, DCP, ZeRO-1's consolidation) carries it with the codes
             defaults = {**defaults, codec.CODEC_VERSION_KEY: codec.CODEC_VERSION}
-        self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget)
+        self._config = dict(offload=offload, chunk_size=chunk_size, num_buffers=num_buffers, device_budget=device_budget,
+                            host_threads=host_threads)
         self._start_engine(self._config)
         super().__init__(params, {**defaults, "backend": backend, "master_weights": master_weights,
                                   "master_precision": master_precision, HOST_SHARE_KEY: host_share})
@@ -87,7 +91,7 @@ class FusedOptimizer(Optimizer):
 
     def _start_engine(self, config: dict) -> None:
         self._engine = OffloadEngine(config["offload"], config["chunk_size"], config["num_buffers"],
-                                     config["device_budget"], config.get("decided"))
+                                     config["device_budget"], config.get("decided"), config.get("host_threads"))
 
     def _wrap_state(self) -> None:
         self.state = OptimizerState(self._engine.wait_host, dict.items(self.state))
@@ -198,7 +202,7 @@ class FusedOptimizer(Optimizer):
         """Raises if `group`'s fusedoff options cannot work together (a loaded group, or one
         changed since it was added); subclasses add their own."""
         check_master_options(group.get("master_precision", "fp32"), group.get("master_weights"))
-        check_host_share(group.get(HOST_SHARE_KEY, 0.0), self._config["offload"])
+        check_host_share(group.get(HOST_SHARE_KEY, AUTO), self._config["offload"])
         self._check_state_options(group)
 
     def _check_group_param(self, group: dict, param: Tensor) -> None:

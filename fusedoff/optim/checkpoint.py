@@ -37,6 +37,7 @@ from torch import Tensor
 from fusedoff import formats
 from fusedoff.formats import MASTER, Role
 from fusedoff.kernels import codec
+from fusedoff.offload.auto_share import AUTO
 from fusedoff.offload.host_share import HOST_SHARE_KEY
 from fusedoff.sharding import blocks_touched, is_dtensor, like_param, local_tensor, state_for_param
 
@@ -108,7 +109,7 @@ def keep_own_host_share(optimizer, state_dict: dict) -> dict:
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
         return state_dict
-    kept = [{**saved, HOST_SHARE_KEY: own.get(HOST_SHARE_KEY, 0.0)} if isinstance(saved, dict) else saved
+    kept = [{**saved, HOST_SHARE_KEY: own.get(HOST_SHARE_KEY, AUTO)} if isinstance(saved, dict) else saved
             for saved, own in zip(groups, optimizer.param_groups)]
     return {**state_dict, "param_groups": kept}
 

@@ -1,0 +1,217 @@
+"""``host_share="auto"``: the host's share of a step chosen from what the steps themselves measure.
+
+[note: the automatic host share] A step with a host share runs two paths at once (see [note: the
+host share of a step] in host_share.py), and ends when the slower one does:
+
+  device  from the step's start on the device to its last streamed chunk copied back (and the main
+          stream's own work: resident tensors); it includes the copies down of the host share's
+          gradients and parameters, queued first on the same copy stream;
+  host    from the same start to those copies down being done, then the host kernels' time on the
+          worker.
+
+Each step's times give, at the share x it ran with (host-computed elements over the elements not
+resident), the seconds per unit of share of each path's own work: a = (device - down) / (1 - x) for
+the streamed chunks, b = host kernels / x for the host, and down / x for the copies down, which both
+paths wait for. Linear in the share, the two paths are equal at x* = a / (a + b): the predicted
+best share. The median of a and b over the last `MEASURED_STEPS` steps at one placement decides,
+and the share moves to x* only where x* is not within `SAME_SHARE` of the share placed and the
+predicted step is at least `MIN_GAIN` shorter than the measured one: noise and a balance that holds do not re-place (placing afresh copies every state
+once in host memory), and a balance that moves (another load on the host, a longer sequence) does.
+
+What it measures includes what the host shares with others: the copies' and the host kernels' use
+of host memory, and the other ranks of a node, which step at the same time as this one (each rank
+measures its own steps while the others run theirs, and decides for itself; every result is the
+same bit for bit whatever each decides).
+
+The first step with streamed states runs `PROBE_SHARE`, so that both paths are measured at once.
+A share whose tensors all exceed it hosts nothing (see [note: the host share] in placement.py), and
+one of 1 streams nothing: the path that did not run keeps its last measured rate, and the first
+share is the probe again until both were measured. Where nothing can be measured (a runtime without
+timers: the host loopback, the simulator) or a tensor's result would depend on where it was stepped
+(see `check_host_computable`), "auto" is 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+PROBE_SHARE = 0.1
+MIN_GAIN = 0.05
+MEASURED_STEPS = 3
+# A best share this close to the one placed is that one: whole tensors move, and a share the
+# placement cannot reach (every tensor larger than the difference) would re-place for nothing.
+SAME_SHARE = 0.02
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """What one step measured on one device (see [note: the automatic host share])."""
+
+    hosted: int  # elements the host stepped
+    streamed: int  # elements whose states streamed
+    device_s: float
+    down_s: float  # the host share's copies down done (0: none)
+    host_s: float  # the host kernels' time on the worker
+
+    @property
+    def share(self) -> float:
+        outside = self.hosted + self.streamed
+        return self.hosted / outside if outside else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return max(self.device_s, self.down_s + self.host_s if self.hosted else 0.0)
+
+
+@dataclass
+class AutoShare:
+    """The automatic host share of one device: its measurements and the share they chose."""
+
+    share: float = PROBE_SHARE
+    replans: int = 0  # times the share moved
+    last: StepTimes | None = None
+    predicted_s: float | None = None  # the step predicted at `share` when it was chosen
+    _device_rates: list[float] = field(default_factory=list)  # a: seconds per unit of streamed share
+    _host_rates: list[float] = field(default_factory=list)  # b: seconds per unit of host share
+    _down_rates: list[float] = field(default_factory=list)
+    _samples: int = 0  # steps measured at this placement
+
+    def observe(self, times: StepTimes) -> bool:
+        """One step's times; True where the share moved (the engine places afresh)."""
+        self.last, x = times, times.share
+        if times.streamed and x < 1.0:
+            _push(self._device_rates, (times.device_s - times.down_s) / (1.0 - x))
+        if times.hosted and x > 0.0:
+            _push(self._host_rates, times.host_s / x)
+            _push(self._down_rates, times.down_s / x)
+        self._samples += 1
+        if self._samples < MEASURED_STEPS or not (self._device_rates and self._host_rates):
+            return False
+        a, b = statistics.median(self._device_rates), statistics.median(self._host_rates)
+        down = statistics.median(self._down_rates)
+        best = a / (a + b) if a + b > 0 else 0.0
+        predicted = predicted_step(best, a, b, down)
+        if abs(best - self.share) < SAME_SHARE or predicted > (1.0 - MIN_GAIN) * min(times.step_s,
+                                                                                    predicted_step(x, a, b, down)):
+            return False
+        self.share, self.predicted_s, self._samples = best, predicted, 0
+        self.replans += 1
+        return True
+
+    def placed(self) -> None:
+        """The share's placement was made afresh for another reason: its steps start counting again."""
+        self._samples = 0
+
+    def report(self) -> dict:
+        """``memory_stats()["host_share_auto"]``'s entry for this device."""
+        last = self.last
+        return {
+            "share": self.share,
+            "replans": self.replans,
+            "seconds_per_share": {"device": _median(self._device_rates), "host": _median(self._host_rates),
+                                  "copies_down": _median(self._down_rates)},
+            "predicted_step_s": self.predicted_s,
+            "last_step": None if last is None else {"share": last.share, "device_s": last.device_s,
+                                                    "host_s": last.down_s + last.host_s if last.hosted else 0.0,
+                                                    "step_s": last.step_s},
+        }
+
+
+@dataclass
+class _Timing:
+    """One step's timers on one device, read at the next step (never waited for)."""
+
+    runtime: object
+    start: object
+    runs: list  # the step's BucketRuns on this device
+    hosted: int
+    streamed: int
+    ends: list = field(default_factory=list)
+    hosts: list = field(default_factory=list)  # the HostShares that ran (copies-down timers, host kernels' seconds)
+
+
+class AutoShares:
+    """The automatic host shares of one engine's devices (see [note: the automatic host share]):
+    their controllers over the engine's life, and the timers of its last step."""
+
+    def __init__(self) -> None:
+        self.by_device: dict = {}
+        self._pending: list[_Timing] = []
+
+    def share(self, option: float | str, device, measurable: bool) -> float:
+        """The share a bucket on `device` is placed with for the group option `option` (a fraction,
+        or "auto": this device's automatic share where the bucket is `measurable`, else 0)."""
+        if option != AUTO:
+            return float(option)
+        if not measurable:
+            return 0.0
+        return self.by_device.setdefault(device, AutoShare()).share
+
+    def start(self, runs) -> list[_Timing]:
+        """Timers at the start of a step's `runs` (BucketRuns), on each device with an automatic share."""
+        by_device: dict = {}
+        for run in runs:
+            if run.bucket.auto_share:
+                by_device.setdefault(run.bucket.device, []).append(run)
+        timings = []
+        for device, device_runs in by_device.items():
+            hosted = sum(run.hosted_numel for run in device_runs)
+            streamed = sum(run.streamed_numel for run in device_runs)
+            if hosted + streamed:
+                rt = device_runs[0].bucket.runtime
+                timings.append(_Timing(rt, rt.timer(rt.current_stream()), device_runs, hosted, streamed))
+        return timings
+
+    def stop(self, timings: list[_Timing]) -> None:
+        """Timers at the end of the step's device work (its queueing done); read at the next step."""
+        for timing in timings:
+            rt = timing.runtime
+            pipelines = {id(run.bucket.pipeline): run.bucket.pipeline for run in timing.runs}
+            timing.hosts = [run.bucket.host for run in timing.runs if run.host is not None]
+            timing.ends = [rt.timer(rt.current_stream())]
+            timing.ends += [rt.timer(p.copy_out) for p in pipelines.values() if p is not None]
+            timing.runs = []
+        self._pending = timings
+
+    def observe(self) -> None:
+        """Feeds the last step's times to each device's controller (the host has waited for its
+        worker: the host kernels' seconds are written). Times not ready are dropped."""
+        pending, self._pending = self._pending, []
+        for timing in pending:
+            rt = timing.runtime
+            ends = [rt.seconds(timing.start, end) for end in timing.ends]
+            downs = [rt.seconds(timing.start, host.copied_down) for host in timing.hosts]
+            if any(t is None for t in (*ends, *downs)):
+                continue
+            times = StepTimes(timing.hosted, timing.streamed, device_s=max(ends), down_s=min(downs, default=0.0),
+                              host_s=sum(host.compute_s for host in timing.hosts))
+            self.by_device[rt.device].observe(times)
+
+    def placed(self) -> None:
+        """Every bucket placed afresh for another reason than a share moved."""
+        for auto in self.by_device.values():
+            auto.placed()
+
+    def report(self) -> dict | None:
+        """``memory_stats()["host_share_auto"]``: by device (None: no automatic share)."""
+        return {str(device): auto.report() for device, auto in self.by_device.items()} or None
+
+
+def predicted_step(x: float, a: float, b: float, down: float) -> float:
+    """The step at share `x` from the rates per unit of share: the device path (the copies down
+    and the streamed chunks) and the host path (the copies down and the host kernels)."""
+    return max(down * x + a * (1.0 - x), (down + b) * x if x > 0.0 else 0.0)
+
+
+def _push(values: list[float], value: float) -> None:
+    values.append(max(value, 0.0))
+    del values[:-MEASURED_STEPS]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+__all__ = ["AUTO", "AutoShare", "AutoShares", "MEASURED_STEPS", "MIN_GAIN", "PROBE_SHARE", "StepTimes", "predicted_step"]
