@@ -45,12 +45,13 @@ class Apollo(FusedOptimizer):
             constant rebound and 'decoupled' for belief.
         state_precision: "fp32" only (see "Compressed optimizer states" in docs/guides/precision.md).
         backend, master_weights, master_precision, offload, chunk_size, num_buffers, device_budget, host_share:
-            as for :class:`fusedoff.AdamW`. Streamed chunks holding only whole tensors run every phase in
-            one visit; the chunks of tensors spanning chunks are streamed once per phase (reduce,
-            apply; with 'stable' decay reduce, moments, finish), since the sums cover whole tensors.
+            as for :class:`fusedoff.AdamW`.
 
-    Every sum, max and mean of the step runs over the whole parameter tensor, as in the reference,
-    computed as a deterministic reduction followed by an apply pass, without host synchronisation.
+    Streamed chunks holding only whole tensors run every phase in one visit; the chunks of tensors
+    spanning chunks are streamed once per phase (reduce, apply; with 'stable' decay reduce,
+    moments, finish), since the sums cover whole tensors. Every sum, max and mean of the step runs
+    over the whole parameter tensor, as in the reference, computed as a deterministic reduction
+    followed by an apply pass, without host synchronisation.
     ``state_dict()`` uses the reference's keys and keeps ``step`` as an int, so checkpoints move
     between the reference implementation and fusedoff in both directions.
     """
