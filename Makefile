@@ -1,7 +1,8 @@
 # The README's two commands: `make demo` and `make test`. Both set everything up from nothing:
 # a virtual environment in .venv with the exact versions of constraints.txt, and fusedoff built in
 # place (C++ always, CUDA whenever a toolkit is found; FUSEDOFF_CUDA=0|1 forces it off/on, see
-# fusedoff/_build.py). `make test-oldest` runs the CPU suite again on the oldest supported torch.
+# fusedoff/_build.py). `make test-oldest` runs the CPU suite again on the oldest supported torch;
+# `make docs` builds docs/ into build/docs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,12 +10,13 @@ STAMP := $(VENV)/.fusedoff-installed
 # The oldest supported torch (constraints-oldest.txt) and the build tools, in a venv of its own.
 OLDEST := .venv-oldest
 OLDEST_SUITE := build/oldest-suite
-# The `test` extra's requirements, read from the installed fusedoff's own metadata.
-TEST_EXTRA = $$($(OLDEST)/bin/python -c 'from importlib.metadata import requires; \
-	print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"test\"" in r))')
+# An extra's requirements, read from the installed fusedoff's own metadata: $(call EXTRA,PYTHON,NAME).
+EXTRA = $$($(1) -c 'from importlib.metadata import requires; \
+	print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"$(2)\"" in r))')
+DOCS_STAMP := $(VENV)/.docs-tools-installed
 SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test test-oldest install bench clean
+.PHONY: demo test test-oldest docs install bench clean
 
 demo: $(STAMP)
 	$(BIN)/python -m fusedoff.demo $(ARGS)
@@ -43,7 +45,7 @@ $(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integration
 #    that installed one (tests/test_packaging.py itself needs the source tree and ran in 1).
 test-oldest: $(STAMP) $(OLDEST)/bin/python
 	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py $(ARGS)
-	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(TEST_EXTRA)
+	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(call EXTRA,$(OLDEST)/bin/python,test)
 	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml README.md $(OLDEST_SUITE)/
 	# (the training-library integrations run on the pinned torch only: their versions follow it)
 	# (the emulated CUDA kernels are make test's: they do not depend on torch's version; so are the
@@ -55,6 +57,18 @@ $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install --quiet -c constraints-oldest.txt torch setuptools
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt ninja
+
+# The Markdown pages of docs/ (MyST) and the API reference from the docstrings, with warnings as
+# errors: a broken link (the README's included, see docs/conf.py), a reference to a name that does
+# not exist, or a docstring that does not render fails it. CI runs it. -E: read every page and
+# docstring afresh (an incremental build would not repeat an unchanged page's warnings).
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs
+
+# the `docs` extra (sphinx, myst-parser): documentation tools, never run-time deps
+$(DOCS_STAMP): $(STAMP) constraints.txt
+	$(BIN)/pip install --quiet -c constraints.txt $(call EXTRA,$(BIN)/python,docs)
+	touch $@
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt matplotlib

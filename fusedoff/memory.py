@@ -91,12 +91,12 @@ class MemoryPrediction:
 
     @property
     def host_bytes_per_param(self) -> float | None:
-        """Host bytes per streamed parameter element (None: nothing streams), as memory_stats() says."""
+        """Host bytes per streamed parameter element, as memory_stats() says (None where nothing streams)."""
         return self.host_total / self.streamed_params if self.streamed_params else None
 
     @property
     def link_bytes_per_param(self) -> dict[str, float] | None:
-        """Bytes a step copies each way per streamed parameter element (None: nothing streams)."""
+        """Bytes a step copies each way per streamed parameter element (None where nothing streams)."""
         if not self.streamed_params:
             return None
         return {way: nbytes / self.streamed_params for way, nbytes in self.link.items()}
@@ -134,23 +134,27 @@ def predict(params: nn.Module | Iterable[Tensor], *, setup: str = "fusedoff", op
             label: str | None = None) -> MemoryPrediction:
     """Predicted bytes by component for training `params` with `optimizer` in `setup`.
 
-    setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
-        `chunk_size`, `num_buffers`, `device_budget` as passed to the optimizer; the states that
-        fit in the budget stay on the device, in the optimizer's order, the rest stream; offload
-        "auto" on CUDA with no budget predicts a model whose states fit: pass the budget the
-        optimizer decided, ``opt.memory_stats()["device_budget"]``, for its split), ``"plain"`` (torch's optimizer or the eager reference on the parameters as they
-        are: states on the device in the parameters' dtype) or ``"upcast"`` (fp32 master copies,
-        fp32 gradient copies and fp32 states, all on the device).
-    state_precision: fusedoff's storage of the moments, as passed to fusedoff.AdamW/Adam (``"fp32"``,
-        ``"bf16"``, ``"8bit"``: one byte each and an fp32 scale per block of 256); fusedoff only
-        (the other setups keep theirs as said above), and Apollo keeps fp32 states only.
-    master_precision: fusedoff's storage of master weights (``"fp32"`` 4 bytes, ``"split"`` 2, ``"split8"``
-        1; bf16 parameters only, as the optimizer refuses fp16 ones).
-    options: the optimizer's other arguments that decide which states a streamed step moves (Apollo's
-        ``weight_decay``, ``rebound``, ``weight_decay_type``; default: the class's defaults).
-    grad_dtype: the gradients' dtype; None means each parameter's own.
-    device: where the parameters train (default: where they are), so that meta tensors can stand
-        for them.
+    Args:
+        setup: ``"fusedoff"`` (fusedoff.AdamW/Adam/Apollo with `master_weights`, `offload`,
+            `chunk_size`, `num_buffers`, `device_budget` as passed to the optimizer; the states that
+            fit in the budget stay on the device, in the optimizer's order, the rest stream; offload
+            "auto" on CUDA with no budget predicts a model whose states fit: pass the budget the
+            optimizer decided, ``opt.memory_stats()["device_budget"]``, for its split), ``"plain"``
+            (torch's optimizer or the eager reference on the parameters as they are: states on the
+            device in the parameters' dtype) or ``"upcast"`` (fp32 master copies, fp32 gradient
+            copies and fp32 states, all on the device).
+        state_precision: fusedoff's storage of the moments, as passed to fusedoff.AdamW/Adam
+            (``"fp32"``, ``"bf16"``, ``"8bit"``: one byte each and an fp32 scale per block of 256);
+            fusedoff only (the other setups keep theirs as said above), and Apollo keeps fp32 states
+            only.
+        master_precision: fusedoff's storage of master weights (``"fp32"`` 4 bytes, ``"split"`` 2,
+            ``"split8"`` 1; bf16 parameters only, as the optimizer refuses fp16 ones).
+        options: the optimizer's other arguments that decide which states a streamed step moves
+            (Apollo's ``weight_decay``, ``rebound``, ``weight_decay_type``; default: the class's
+            defaults).
+        grad_dtype: the gradients' dtype; None means each parameter's own.
+        device: where the parameters train (default: where they are), so that meta tensors can stand
+            for them.
     """
     if setup not in SETUPS:
         raise ValueError(f"setup must be one of {SETUPS}, got {setup!r}")

@@ -1,5 +1,5 @@
-"""The README's recipes, run on the CPU with a model built here: Hugging Face Trainer (an optimizer
-passed in, or a class and its arguments), accelerate and Lightning (bf16-mixed with gradient
+"""The recipes of docs/guides/integrations.md, run on the CPU with a model built here: Hugging Face
+Trainer (an optimizer passed in, or a class and its arguments), accelerate and Lightning (bf16-mixed with gradient
 clipping, and fp16-mixed with a GradScaler and clipping). Each resumes from a checkpoint and must
 end where the uninterrupted run ends, bit for bit: the optimizer states go through each library's
 own checkpoint files. The libraries are test dependencies (requirements-test-integrations.txt),

@@ -155,13 +155,13 @@ class AdamW(Adam):
             master and writes the rounded value to the parameter). None means True for fp16/bf16
             parameters. The master follows the parameter: an element written between steps
             (``copy_``, ``load_state_dict``, ``torch.nn.init``, ``p.data = ...``,
-            ``p.data.copy_(w)``) is where the next step starts (see the README). fp16/bf16
+            ``p.data.copy_(w)``) is where the next step starts (see docs/guides/one-gpu.md). fp16/bf16
             gradients are upcast inside the kernel.
         master_precision: how master weights are stored: "fp32" (default) whole; "split" their low 16
             bits only, the bf16 parameter being their upper half (2 bytes per parameter instead of 4,
             every result bit for bit those of "fp32"); "split8" 8 bits (1 byte; the master rounded
             stochastically to 24 bits each step, relative error < 2^-15). bf16 parameters only: an
-            fp16 parameter cannot carry the upper half of its master (see the README). With master
+            fp16 parameter cannot carry the upper half of its master (see docs/guides/precision.md). With master
             weights, a bf16 parameter is the master rounded to nearest with ties away from zero.
         offload: where states (and master weights) live. "none": on the parameters' device.
             "stream": in host memory, streamed to the parameters' device chunk by chunk through
@@ -188,6 +188,11 @@ class AdamW(Adam):
         host_threads: the threads of the host share's kernels (default: the CPUs this process may
             use, split among a node's ranks, less one: see
             ``fusedoff.offload.host_share.default_host_threads``).
+        state_precision: how the two moments are stored: "fp32" (default), "bf16" (rounded
+            stochastically) or "8bit" (blockwise, one fp32 scale per 256 elements); a param-group
+            option (see docs/guides/precision.md).
+        seed: keys the random bits of the bf16 states' stochastic rounding (default 0, so that
+            data-parallel replicas round alike); kept in the param groups, so in the state dict.
 
     ``state_dict()`` uses torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``),
     plus ``master_param`` when master weights are kept. Honours ``torch.amp.GradScaler`` like

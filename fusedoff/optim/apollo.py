@@ -36,22 +36,22 @@ class Apollo(FusedOptimizer):
             4-norm; eps = 0 is accepted as the reference accepts it, and then yields NaN at step 1
             in constant mode (the previous update d is zero, so 0 / 0), exactly as the reference does.
         rebound: ``'constant'`` (curvature floored at 0.01) or ``'belief'`` (floored at the
-            largest |g - m| of the tensor, plus eps / alpha).
+            largest ``|g - m|`` of the tensor, plus eps / alpha).
         warmup: steps of linear warmup from ``init_lr`` to ``lr``, per parameter tensor.
         init_lr: learning rate at step 0 of the warmup; defaults to lr / 1000; 0 <= init_lr <= lr.
         weight_decay: >= 0.
         weight_decay_type: ``'L2'`` (added to the gradient), ``'decoupled'`` (added to the update) or
             ``'stable'`` (added to the update, divided by the mean curvature); defaults to 'L2' for
             constant rebound and 'decoupled' for belief.
-        state_precision: "fp32" only (see the README's "Compressed optimizer states").
-        backend, master_weights, master_precision, offload, chunk_size, num_buffers, device_budget,
-            host_share, host_threads: as for
-            :class:`fusedoff.AdamW`. Streamed chunks holding only whole tensors run every phase in
-            one visit; the chunks of tensors spanning chunks are streamed once per phase (reduce,
-            apply; with 'stable' decay reduce, moments, finish), since the sums cover whole tensors.
+        state_precision: "fp32" only (see "Compressed optimizer states" in docs/guides/precision.md).
+        backend, master_weights, master_precision, offload, chunk_size, num_buffers, device_budget, host_share, host_threads:
+            as for :class:`fusedoff.AdamW`.
 
-    Every sum, max and mean of the step runs over the whole parameter tensor, as in the reference,
-    computed as a deterministic reduction followed by an apply pass, without host synchronisation.
+    Streamed chunks holding only whole tensors run every phase in one visit; the chunks of tensors
+    spanning chunks are streamed once per phase (reduce, apply; with 'stable' decay reduce,
+    moments, finish), since the sums cover whole tensors. Every sum, max and mean of the step runs
+    over the whole parameter tensor, as in the reference, computed as a deterministic reduction
+    followed by an apply pass, without host synchronisation.
     ``state_dict()`` uses the reference's keys and keeps ``step`` as an int, so checkpoints move
     between the reference implementation and fusedoff in both directions.
     """
