@@ -10,8 +10,9 @@ STAMP := $(VENV)/.fusedoff-installed
 # The oldest supported torch (constraints-oldest.txt) and the build tools, in a venv of its own.
 OLDEST := .venv-oldest
 OLDEST_SUITE := build/oldest-suite
-# An extra's requirements, read from the installed fusedoff's own metadata: $(call EXTRA,PYTHON,NAME).
-EXTRA = $$($(1) -c 'from importlib.metadata import requires; \
+# An extra's requirements, read from the installed fusedoff's own metadata: $(call EXTRA,PYTHON,NAME)
+# (-I: not a fusedoff.egg-info that a build left in this folder).
+EXTRA = $$($(1) -I -c 'from importlib.metadata import requires; \
 	print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"$(2)\"" in r))')
 DOCS_STAMP := $(VENV)/.docs-tools-installed
 SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh')
