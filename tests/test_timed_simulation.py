@@ -161,3 +161,56 @@ def test_scale_multiplies_device_time_and_leaves_host_cost():
                                                                            2 * p1.link_bound_s))
     assert p2.host_calls == p1.host_calls
     assert p1.h2d_bytes == 1000 * 12 * sum(numels)  # fp32 master and moments, each chunk in whole
+
+
+# ---- the host resource ([note: timed host resource]) ---------------------------------------------------
+def test_host_memory_sharing_by_hand():
+    from fusedoff.testing.timed import host_rates
+
+    tight = Rates(host_memory=1.5e9)
+    assert host_rates(1e9, 1e9, 0, tight) == (0.75e9, 0.75e9, 0.0)  # the copies slowed alike
+    assert host_rates(1e9, 0.0, 1, tight) == (1e9, 0.0, 0.5e9)  # the kernels get what the copies leave
+    roomy = Rates(host_memory=200e9, host_kernel=60e9)
+    assert host_rates(50e9, 50e9, 2, roomy) == (50e9, 50e9, 30e9)  # the kernels' own rate, split
+    assert host_rates(50e9, 50e9, 1, Rates()) == (50e9, 50e9, float("inf"))  # unbounded by default
+
+
+def test_a_host_task_schedule_by_hand():
+    """A d2h copy of 1 GB, then a host task over 1.5 GB that waits for it; an h2d copy of 2 GB from
+    the start. Host memory 1.5 GB/s: the two copies get 0.75 GB/s each until the d2h copy ends
+    (4/3 s); then the h2d copy runs at 1 GB/s for its last 1 GB and the task gets the 0.5 GB/s left
+    (0.5 GB by 7/3 s); then the task alone at 1.5 GB/s, its last 1 GB in 2/3 s: it ends at 3 s."""
+    scale = 250_000  # a byte recorded stands for this many
+    rates = Rates(h2d=1e9, d2h=1e9, both=3e9, host_call=0.0, host_memory=1.5e9)
+    rt = TimedRuntime(torch.device("cpu"), scale=scale, rates=rates)
+    down, up = rt.new_stream(), rt.new_stream()
+    rt.copy_to_host(down, torch.empty(1000), rt.empty(1000))  # 4000 bytes: 1 GB
+    rt.copy_to_device(up, rt.empty(2000), torch.empty(2000))  # 2 GB
+    values = torch.ones(750)
+    task = rt.host_compute(lambda: values.mul_(2.0), after=rt.timer(down))  # read and written: 1.5 GB
+    start = rt.timer(rt.current_stream())
+    timed = rt.schedule(rates)
+    assert timed.end[task.op] == pytest.approx(3.0)
+    assert timed.start[task.op] == pytest.approx(4 / 3)
+    assert rt.task_seconds(task, measured=0.0) == pytest.approx(3.0 - 4 / 3)
+    assert rt.seconds(start, rt.timer(down)) == pytest.approx(4 / 3)
+    rt.wait_host_compute(task)
+    assert rt.ops[-1].kind == HOST and rt.ops[-1].deps[-1] == task.op
+    rt.drain()
+    assert rt.seconds(start, rt.timer(down)) is None  # (a drain between them)
+
+
+def test_auto_on_the_timed_model_lands_within_min_gain_of_the_best_placement():
+    """host_share="auto" on the timed simulator, with the workstation preset's rates (link-bound): its
+    step is within MIN_GAIN of the best of every placement it could choose (k of the 16 tensors hosted),
+    each scheduled alike, and shorter than streaming only."""
+    from benchmarks import predict_host_share
+    from fusedoff import costs
+    from fusedoff.offload.auto_share import MIN_GAIN
+
+    rates = predict_host_share.timed_rates(costs.preset("workstation-pcie4"))
+    numels = [predict_step.TENSOR] * 16
+    auto_s, share, _ = predict_host_share.run(numels, rates, "auto")
+    every = [predict_host_share.run(numels, rates, k / 16)[0] for k in range(17)]
+    assert auto_s <= min(every) * (1 + MIN_GAIN)
+    assert auto_s < every[0] * (1 - MIN_GAIN) and share > 0

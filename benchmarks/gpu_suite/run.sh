@@ -27,6 +27,9 @@
 #   overlap        90 s                       measure_overlap.py: a streamed 1B step and the next forward,  bench.log
 #                                             plain and overlapped, measured beside the timed simulator's
 #                                             prediction at the link rates measured here
+#   host-share     75 s                       measure_host_share.py: a streamed 1B step (fp32 states) with  bench.log
+#                                             host_share=0 and "auto", beside the timed simulator's
+#                                             prediction at the rates measured here; bits compared
 #   bench          what is left but 95 s      bench_step.py --device cuda: the bound, then the targets'  bench.log,
 #                                             configurations at 1G, then the sweep 16M..1G; a CSV row per  bench_step_cuda.csv,
 #                                             contender as soon as it is measured; everything, building  .png, RESULTS.md
@@ -176,9 +179,11 @@ if [ "$build" -eq 0 ]; then
     --out-dir "$(mktemp -d)"
   if [ "$gpu" = 1 ]; then overlap_args=(); else overlap_args=(--dry-run); fi
   run_stage overlap "$(limit 90 200)" bench.log "$py" benchmarks/measure_overlap.py ${overlap_args[@]+"${overlap_args[@]}"}
+  run_stage host-share "$(limit 75 180)" bench.log "$py" benchmarks/measure_host_share.py ${overlap_args[@]+"${overlap_args[@]}"}
 else
   skip_stage host-cost "the build failed"
   skip_stage overlap "the build failed"
+  skip_stage host-share "the build failed"
 fi
 deadline=$(( $(left) - 35 - ${TRITON_TESTS_S:-60} ))  # the Triton tests run after the bench
 (( deadline < 10 )) && deadline=10

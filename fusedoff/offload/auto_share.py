@@ -13,20 +13,30 @@ Each step's times give, at the share x it ran with (host-computed elements over 
 resident), the seconds per unit of share of each path's own work: a = (device - down) / (1 - x) for
 the streamed chunks, b = host kernels / x for the host, and down / x for the copies down, which both
 paths wait for. Linear in the share, the two paths are equal at x* = a / (a + b): the predicted
-best share. The median of a and b over the last `MEASURED_STEPS` steps at one placement decides,
-and the share moves to x* only where x* is not within `SAME_SHARE` of the share placed and the
-predicted step is at least `MIN_GAIN` shorter than the measured one: noise and a balance that holds do not re-place (placing afresh copies every state
-once in host memory), and a balance that moves (another load on the host, a longer sequence) does.
+best share. The model is a guide, not the judge: host memory is shared by the copies and the host
+kernels, so a path's rate changes with the share. The steps at each placed share are measured, and
+after `MEASURED_STEPS` steps at one placement (their median step):
+
+  * if another share measured a step shorter by more than `NOISE`, the share goes back to it;
+  * else, if x* is not within `SAME_SHARE` of a share already measured or moved to (whole tensors
+    are placed: a share may place as another one) and its predicted step is at
+    least `MIN_GAIN` shorter than the best measured one, the share moves to x* (and is measured);
+  * else it stays. A share measured again that moved by more than `MIN_GAIN` from what it measured
+    before (another load on the host, a longer sequence) makes the other measurements stale: they are
+    dropped, and the model may explore again.
+
+So the share never stays where a measured share was faster, never flips between two it has measured,
+and re-places (each time copying every state once in host memory) only on a measured or predicted
+gain. The first `MEASURED_STEPS` steps run share 0 (streaming only: the measurement to beat), the next
+`PROBE_SHARE`, so that the host's path is measured too; a probe whose tensors all exceed it hosts
+nothing (see [note: the host share] in placement.py), and the share stays 0.
 
 What it measures includes what the host shares with others: the copies' and the host kernels' use
 of host memory, and the other ranks of a node, which step at the same time as this one (each rank
 measures its own steps while the others run theirs, and decides for itself; every result is the
 same bit for bit whatever each decides).
 
-The first step with streamed states runs `PROBE_SHARE`, so that both paths are measured at once.
-A share whose tensors all exceed it hosts nothing (see [note: the host share] in placement.py), and
-one of 1 streams nothing: the path that did not run keeps its last measured rate, and the first
-share is the probe again until both were measured. Where nothing can be measured (a runtime without
+Where nothing can be measured (a runtime without
 timers: the host loopback, the simulator) or a tensor's result would depend on where it was stepped
 (see `check_host_computable`), "auto" is 0.
 """
@@ -38,6 +48,7 @@ from dataclasses import dataclass, field
 
 PROBE_SHARE = 0.1
 MIN_GAIN = 0.05
+NOISE = 0.01  # two measured steps closer than this are the same
 MEASURED_STEPS = 3
 # A best share this close to the one placed is that one: whole tensors move, and a share the
 # placement cannot reach (every tensor larger than the difference) would re-place for nothing.
@@ -69,14 +80,17 @@ class StepTimes:
 class AutoShare:
     """The automatic host share of one device: its measurements and the share they chose."""
 
-    share: float = PROBE_SHARE
+    share: float = 0.0  # the share placed next (a target: whole tensors are placed)
     replans: int = 0  # times the share moved
     last: StepTimes | None = None
-    predicted_s: float | None = None  # the step predicted at `share` when it was chosen
+    predicted_s: float | None = None  # the step the model predicted for `share` when it moved there
+    measured: dict[float, float] = field(default_factory=dict)  # placed share -> its median step (seconds)
     _device_rates: list[float] = field(default_factory=list)  # a: seconds per unit of streamed share
     _host_rates: list[float] = field(default_factory=list)  # b: seconds per unit of host share
     _down_rates: list[float] = field(default_factory=list)
-    _samples: int = 0  # steps measured at this placement
+    _steps: list[float] = field(default_factory=list)  # the steps measured at this placement
+    _tried: list[float] = field(default_factory=list)  # the model's shares moved to (placed or not)
+    _probed: bool = False
 
     def observe(self, times: StepTimes) -> bool:
         """One step's times; True where the share moved (the engine places afresh)."""
@@ -86,23 +100,43 @@ class AutoShare:
         if times.hosted and x > 0.0:
             _push(self._host_rates, times.host_s / x)
             _push(self._down_rates, times.down_s / x)
-        self._samples += 1
-        if self._samples < MEASURED_STEPS or not (self._device_rates and self._host_rates):
+        _push(self._steps, times.step_s)
+        if len(self._steps) < MEASURED_STEPS:
+            return False
+        placed, step = round(x, 6), statistics.median(self._steps)
+        before = self.measured.get(placed)
+        if before is not None and abs(step - before) > MIN_GAIN * before:  # the balance moved
+            self.measured.clear()
+            self._tried.clear()
+        self.measured[placed] = step
+        best, best_step = min(self.measured.items(), key=lambda item: item[1])
+        if best_step < (1.0 - NOISE) * step:
+            # (as placed, a hair more: the placement takes each tensor that fits in the share)
+            return self._move(min(1.0, best + 1e-9) if best else 0.0, None)
+        if not self._probed:
+            self._probed = True
+            return self._move(PROBE_SHARE, None) if x == 0.0 else False
+        if not (self._device_rates and self._host_rates):
             return False
         a, b = statistics.median(self._device_rates), statistics.median(self._host_rates)
         down = statistics.median(self._down_rates)
-        best = a / (a + b) if a + b > 0 else 0.0
-        predicted = predicted_step(best, a, b, down)
-        if abs(best - self.share) < SAME_SHARE or predicted > (1.0 - MIN_GAIN) * min(times.step_s,
-                                                                                    predicted_step(x, a, b, down)):
+        target = a / (a + b) if a + b > 0 else 0.0
+        predicted = predicted_step(target, a, b, down)
+        explored = [*self.measured, *self._tried]
+        if any(abs(target - share) < SAME_SHARE for share in explored) or predicted > (1.0 - MIN_GAIN) * best_step:
             return False
-        self.share, self.predicted_s, self._samples = best, predicted, 0
+        self._tried.append(target)
+        return self._move(target, predicted)
+
+    def _move(self, share: float, predicted: float | None) -> bool:
+        self.share, self.predicted_s = share, predicted
         self.replans += 1
+        self._steps = []
         return True
 
     def placed(self) -> None:
-        """The share's placement was made afresh for another reason: its steps start counting again."""
-        self._samples = 0
+        """The placement was made afresh for another reason: its steps start counting again."""
+        self._steps = []
 
     def report(self) -> dict:
         """``memory_stats()["host_share_auto"]``'s entry for this device."""
@@ -110,6 +144,7 @@ class AutoShare:
         return {
             "share": self.share,
             "replans": self.replans,
+            "measured_step_s": dict(sorted(self.measured.items())),
             "seconds_per_share": {"device": _median(self._device_rates), "host": _median(self._host_rates),
                                   "copies_down": _median(self._down_rates)},
             "predicted_step_s": self.predicted_s,
@@ -186,7 +221,7 @@ class AutoShares:
             if any(t is None for t in (*ends, *downs)):
                 continue
             times = StepTimes(timing.hosted, timing.streamed, device_s=max(ends), down_s=min(downs, default=0.0),
-                              host_s=sum(host.compute_s for host in timing.hosts))
+                              host_s=sum(rt.task_seconds(host.last_task, host.compute_s) for host in timing.hosts))
             self.by_device[rt.device].observe(times)
 
     def placed(self) -> None:
@@ -214,4 +249,4 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-__all__ = ["AUTO", "AutoShare", "AutoShares", "MEASURED_STEPS", "MIN_GAIN", "PROBE_SHARE", "StepTimes", "predicted_step"]
+__all__ = ["AUTO", "AutoShare", "AutoShares", "MEASURED_STEPS", "MIN_GAIN", "NOISE", "PROBE_SHARE", "StepTimes", "predicted_step"]

@@ -179,6 +179,7 @@ class HostShare:
         scalars = self._scalars.view("scalars", 0)
         self.steps, self._divisor, self._found_inf = scalars[:count], scalars[count], scalars[count + 1]
         self.task = None  # the worker's task of the last step, until the host has waited for it
+        self.last_task = None  # the same, kept (the timed runtime's record of it)
         self._to_copy_up: list[int] = []  # tensors whose parameter goes back once the task is done
         self.copied_up = None  # the event of the last copy back of parameters
         self.copied_down = None  # the (timer) event of the last step's copies down
@@ -253,7 +254,7 @@ class HostShare:
 
         writes = run.touched
         self.copied_down = self._copied_down(rt, down)
-        self.task = rt.host_compute(compute, after=self.copied_down, reads=writes, writes=writes)
+        self.task = self.last_task = rt.host_compute(compute, after=self.copied_down, reads=writes, writes=writes)
         self._to_copy_up = list(run.tensors)
 
     def _copied_down(self, rt: Runtime, down):

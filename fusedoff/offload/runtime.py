@@ -99,6 +99,10 @@ class Runtime:
         """An event as `record`'s whose time `seconds` can read once it is complete."""
         return self.record(stream)
 
+    def task_seconds(self, task, measured: float) -> float:
+        """The seconds the host worker's `task` ran, which its kernels `measured` with `now`."""
+        return measured
+
     def now(self) -> float:
         """The host's clock, in seconds (the host worker times its kernels with it)."""
         return time.perf_counter()

@@ -30,6 +30,16 @@ smaller of its rate and half the cap, and what one direction leaves of its half 
 (max-min fair sharing of the cap); several copies in one direction share its rate equally. Kernels run
 at `Rates.kernel_rate` bytes per second and do not slow each other, the copies, or main-stream work
 (HBM and SMs are not shared in this model).
+
+[note: timed host resource] The host worker (`host_compute`: the host share's kernels, see
+fusedoff/offload/host_share.py) is a timeline of its own: a task starts after the event it waits for
+and after the task before it, and moves the bytes its ops read and write ([note: timed kernel bytes])
+at `Rates.host_kernel` bytes per second (its threads' rate alone; None: host memory's) but never faster
+than what host memory has left: `Rates.host_memory` less the copies' bytes per second at that moment.
+The copies are DMA into and out of host memory, so they take from it first: where they would move more
+than `host_memory` together, both directions slow down alike. The default host memory is unbounded
+(the schedules of streamed steps are those of before); `fusedoff.costs` presets give one GPU's share of
+a node's DRAM. The host waits for a task (`wait_host_compute`) as for an event.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from fusedoff.offload.runtime import Runtime
 
 HOST = "host"
 H2D, D2H, KERNEL, WORK, MARK = "h2d", "d2h", "kernel", "work", "mark"
+HOST_KERNEL = "host kernel"  # a task of the host worker: see [note: timed host resource]
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,8 @@ class Rates:
     device_memory: float = 4.8e12  # bytes/s, published peak
     device_memory_fraction: float = 0.8  # of the peak a streaming kernel reaches (assumed)
     host_call: float = 6.4e-6  # seconds of host time per runtime call: predict_step.py, RESULTS.md
+    host_memory: float = math.inf  # bytes/s of host memory: copies (DMA) and the host worker's kernels
+    host_kernel: float | None = None  # bytes/s the host worker's kernels reach alone (None: host_memory)
 
     @property
     def kernel_rate(self) -> float:
@@ -129,12 +142,21 @@ def _nbytes(value) -> int:
 
 
 class TimedRuntime(Runtime):
-    """Runs the engine's copies and kernels at once on CPU tensors and records them for `schedule`."""
+    """Runs the engine's copies and kernels at once on CPU tensors and records them for `schedule`.
+
+    With `rates`, it also answers the engine's timers (`seconds`) from the schedule of what it recorded
+    since it was last drained, so that host_share="auto" measures the schedule's steps."""
 
     asynchronous = True  # host memory is "pinned" (pin answers True), as on a GPU
 
-    def __init__(self, device: torch.device, *, scale: float = 1.0, total_memory: int = 2**40) -> None:
+    def __init__(self, device: torch.device, *, scale: float = 1.0, total_memory: int = 2**40,
+                 rates: Rates | None = None) -> None:
         super().__init__(device)
+        self.rates = rates
+        self.measures_time = rates is not None
+        self.worker = _Stream("host worker")
+        self._drains = [0]  # where each drain ended: the operations before one were complete after it
+        self._schedules: dict[tuple[int, int], Schedule] = {}
         self.scale = scale
         self.ops: list[TimedOp] = []
         self.host = _Stream(HOST)
@@ -168,9 +190,36 @@ class TimedRuntime(Runtime):
         self._add(WORK, self.main, what, seconds)
 
     def drain(self) -> None:
-        """The host waits for every stream (a device synchronisation)."""
+        """The host waits for every stream and the host worker (a device synchronisation)."""
         for stream in self.streams:
             self.synchronize(self.record(stream))
+        if self.worker.last is not None:
+            self._add(HOST, self.host, "wait for the host worker", waits=(self.worker.last,))
+        self._drains.append(len(self.ops))
+
+    # ---- timers (host_share="auto"): from the schedule between two drains ----------------------------
+    def timer(self, stream: _Stream) -> _TimedEvent:
+        return self.record(stream)
+
+    def _between_drains(self, *ops: int) -> Schedule | None:
+        """The schedule of the operations between the drains around `ops` (None: a drain between them)."""
+        first = max(d for d in self._drains if d <= min(ops))
+        later = [d for d in self._drains if d > first]
+        last = later[0] if later else len(self.ops)
+        if max(ops) >= last:
+            return None
+        key = (first, last)
+        if key not in self._schedules:  # (a window still growing is keyed by its length now)
+            self._schedules[key] = schedule(self.ops, self.rates, self.scale, window=range(first, last))
+        return self._schedules[key]
+
+    def seconds(self, start: _TimedEvent, end: _TimedEvent) -> float | None:
+        timed = None if self.rates is None else self._between_drains(start.op, end.op)
+        return None if timed is None else timed.end[end.op] - timed.end[start.op]
+
+    def task_seconds(self, task, measured: float) -> float:
+        timed = None if self.rates is None or task is None else self._between_drains(task.op)
+        return measured if timed is None else timed.end[task.op] - timed.start[task.op]
 
     # ---- streams and events ---------------------------------------------------------------------------
     def new_stream(self) -> _Stream:
@@ -196,10 +245,20 @@ class TimedRuntime(Runtime):
             self._add(HOST, self.host, "synchronize", waits=(event.op,))
 
     # ---- work -----------------------------------------------------------------------------------------
+    def copy_to_device(self, stream, dst: Tensor, src: Tensor) -> None:
+        self._direction = H2D  # (the host share's copies: a parameter is a "device" tensor not made by empty)
+        super().copy_to_device(stream, dst, src)
+
+    def copy_to_host(self, stream, dst: Tensor, src: Tensor) -> None:
+        self._direction = D2H
+        super().copy_to_host(stream, dst, src)
+
     def copy(self, stream: _Stream, dst: Tensor, src: Tensor) -> None:
         kind = H2D if self._on_device(dst) else D2H if self._on_device(src) else None
+        kind, self._direction = kind or getattr(self, "_direction", None), None
         if kind is None:
-            raise ValueError("a timed copy moves between a device buffer (empty) and host memory")
+            raise ValueError("a timed copy moves between a device tensor and host memory (copy_to_device, "
+                             "copy_to_host, or a buffer made by empty)")
         began = time.perf_counter()
         dst.copy_(src)
         self.device_seconds += time.perf_counter() - began
@@ -213,6 +272,18 @@ class TimedRuntime(Runtime):
             fn()
         self.device_seconds += time.perf_counter() - began
         self._add(KERNEL, stream, "kernel", counted.bytes)
+
+    def host_compute(self, fn: Callable[[], None], *, after, reads: Iterable[Tensor] = (),
+                     writes: Iterable[Tensor] = ()) -> _TimedEvent:
+        """Runs `fn` at once and records it as a task of the host worker (see [note: timed host resource])."""
+        with _KernelBytes() as counted:
+            fn()
+        waits = () if after is None else (after.op,)
+        return _TimedEvent(self._add(HOST_KERNEL, self.worker, "host kernels", counted.bytes, waits=waits))
+
+    def wait_host_compute(self, task: _TimedEvent | None) -> None:
+        if task is not None:
+            self._add(HOST, self.host, "wait for the host worker", waits=(task.op,))
 
     # ---- memory ---------------------------------------------------------------------------------------
     def empty(self, numel: int) -> Tensor:
@@ -276,21 +347,39 @@ def link_rates(h2d_active: int, d2h_active: int, rates: Rates) -> tuple[float, f
     return h / max(h2d_active, 1), d / max(d2h_active, 1)
 
 
-def schedule(ops: Sequence[TimedOp], rates: Rates, scale: float = 1.0, *, instant: range = range(0)) -> Schedule:
+def host_rates(h2d: float, d2h: float, host_kernels_active: int, rates: Rates) -> tuple[float, float, float]:
+    """The bytes/s of all h2d copies, of all d2h copies and of each active host kernel, where host memory
+    carries them (see [note: timed host resource])."""
+    copies = h2d + d2h
+    if copies > rates.host_memory:
+        h2d, d2h = h2d * rates.host_memory / copies, d2h * rates.host_memory / copies
+        copies = rates.host_memory
+    kernel = rates.host_memory if rates.host_kernel is None else rates.host_kernel
+    left = max(0.0, rates.host_memory - copies)
+    return h2d, d2h, min(kernel, left) / max(host_kernels_active, 1)
+
+
+def schedule(ops: Sequence[TimedOp], rates: Rates, scale: float = 1.0, *, instant: range = range(0),
+             window: range | None = None) -> Schedule:
     """Start and end of every operation: each starts when its last dependency ends and runs for its
-    duration; copies share the link (a fluid simulation: rates change when a copy starts or ends).
-    Operations whose index is in `instant` take no time (the counterfactual of an instant step)."""
+    duration; copies share the link (a fluid simulation: rates change when a copy starts or ends), and
+    with the host worker's kernels, host memory. Operations whose index is in `instant` take no time
+    (the counterfactual of an instant step). With `window`, only its operations are scheduled, from 0,
+    their dependencies before it taken as done (the others' times are NaN)."""
     n = len(ops)
+    window = range(n) if window is None else window
     dependents: list[list[int]] = [[] for _ in range(n)]
     unmet = [0] * n
-    for op in ops:
+    for i in window:
+        op = ops[i]
         for d in op.deps:
-            dependents[d].append(op.index)
-        unmet[op.index] = len(op.deps)
+            if d in window:
+                dependents[d].append(op.index)
+                unmet[op.index] += 1
     start, end = [math.nan] * n, [math.nan] * n
     left = [0.0] * n  # bytes left (copies) or seconds left (everything else)
     t = 0.0
-    ready = [i for i in range(n) if unmet[i] == 0]
+    ready = [i for i in window if unmet[i] == 0]
     active: list[int] = []
     while ready or active:
         for i in ready:
@@ -306,12 +395,21 @@ def schedule(ops: Sequence[TimedOp], rates: Rates, scale: float = 1.0, *, instan
                 left[i] = rates.host_call
             elif op.kind == WORK:
                 left[i] = op.amount
+            elif op.kind == HOST_KERNEL:
+                left[i] = op.amount * scale
             active.append(i)
         ready = []
-        per_h2d, per_d2h = link_rates(sum(ops[i].kind == H2D for i in active),
-                                      sum(ops[i].kind == D2H for i in active), rates)
-        speed = [per_h2d if ops[i].kind == H2D else per_d2h if ops[i].kind == D2H else 1.0 for i in active]
-        finish = [left[i] / s if left[i] > 0 else 0.0 for i, s in zip(active, speed)]
+        h2d_active = sum(ops[i].kind == H2D for i in active)
+        d2h_active = sum(ops[i].kind == D2H for i in active)
+        per_h2d, per_d2h = link_rates(h2d_active, d2h_active, rates)
+        h2d, d2h, per_host = host_rates(per_h2d * h2d_active, per_d2h * d2h_active,
+                                        sum(ops[i].kind == HOST_KERNEL for i in active), rates)
+        per_h2d, per_d2h = h2d / max(h2d_active, 1), d2h / max(d2h_active, 1)
+        by_kind = {H2D: per_h2d, D2H: per_d2h, HOST_KERNEL: per_host}
+        speed = [by_kind.get(ops[i].kind, 1.0) for i in active]
+        finish = [(left[i] / s if s > 0 else math.inf) if left[i] > 0 else 0.0 for i, s in zip(active, speed)]
+        if finish and min(finish) == math.inf:
+            raise RuntimeError("host kernels wait for host memory that the copies never leave")
         dt = min(finish)
         t += dt
         still = []
@@ -326,7 +424,7 @@ def schedule(ops: Sequence[TimedOp], rates: Rates, scale: float = 1.0, *, instan
                 left[i] -= s * dt
                 still.append(i)
         active = still
-    if any(math.isnan(e) for e in end):
+    if any(math.isnan(end[i]) for i in window):
         raise RuntimeError("an operation waits on one recorded after it")
     return Schedule(list(ops), start, end, scale)
 
@@ -344,6 +442,7 @@ class Prediction:
     d2h_bytes: float
     kernel_bytes: float
     host_calls: int
+    host_kernel_bytes: float = 0.0  # what the host worker's kernels read and wrote
     critical_path: list[str] = field(default_factory=list)  # of the step, or of the forward if given
     path_seconds: dict[str, float] = field(default_factory=dict)  # time on the critical path, by kind
 
@@ -360,7 +459,7 @@ def predict(rt: TimedRuntime, rates: Rates, step: range, forward: range = range(
     t0 = min(timed.start[i] for i in step)
     step_end = max(timed.end[i] for i in step)
     moved = {kind: sum(rt.ops[i].amount for i in step if rt.ops[i].kind == kind) * rt.scale
-             for kind in (H2D, D2H, KERNEL)}
+             for kind in (H2D, D2H, KERNEL, HOST_KERNEL)}
     forward_s = sum(rt.ops[i].amount for i in forward if rt.ops[i].kind == WORK)
     exposed = 0.0
     last = max(step, key=lambda i: timed.end[i])
@@ -373,7 +472,8 @@ def predict(rt: TimedRuntime, rates: Rates, step: range, forward: range = range(
     return Prediction(
         step_s=step_end - t0, link_bound_s=link_bound(moved[H2D], moved[D2H], rates), exposed_s=exposed,
         forward_s=forward_s, h2d_bytes=moved[H2D], d2h_bytes=moved[D2H], kernel_bytes=moved[KERNEL],
-        host_calls=sum(rt.ops[i].kind == HOST for i in step), critical_path=describe_path(timed, path, t0),
+        host_calls=sum(rt.ops[i].kind == HOST for i in step), host_kernel_bytes=moved[HOST_KERNEL],
+        critical_path=describe_path(timed, path, t0),
         path_seconds=_path_seconds(timed, path, t0))
 
 
@@ -396,7 +496,7 @@ def describe_path(timed: Schedule, path: list[int], t0: float = 0.0) -> list[str
         first, last = timed.ops[run[0]], timed.ops[run[-1]]
         begin = timed.start[run[0]] - t0
         what = first.what if len(run) == 1 else f"{len(run)} x {first.kind} ({first.what} ... {last.what})"
-        if first.kind in (H2D, D2H, KERNEL):
+        if first.kind in (H2D, D2H, KERNEL, HOST_KERNEL):
             what += f", {sum(timed.ops[i].amount for i in run) * timed.scale / 2**20:.1f} MiB"
         lines.append(f"{begin * 1e3:10.3f} ms {(timed.end[run[-1]] - timed.start[run[0]]) * 1e3:9.3f} ms  "
                      f"{first.timeline:<14} {what}")
