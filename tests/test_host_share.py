@@ -136,8 +136,10 @@ def test_every_share_gives_the_bits_of_share_0(case, placement):
             assert 0 < hosted <= sum(p.numel() for p in params), stats
             assert stats["host_share_buffer_bytes"] > 0 and stats["host_computed_bytes"] > 0
             assert (hosted == sum(p.numel() for p in params)) == (share == 1.0 and placement == "streamed")
-        (got, got_seen, _), sims = simulated(make, dtype, share, seed=int(share * 10))
+        (got, got_seen, sim_stats), sims = simulated(make, dtype, share, seed=int(share * 10))
         assert_bitwise_equal((got, got_seen), want, f"share {share}, simulated")
+        if placement != "resident":  # (page-locked on an asynchronous device: the host share's buffers too)
+            assert sim_stats["host_pinned"] and not stats["host_pinned"]
         assert (sum(sim.host_tasks for sim in sims) > 0) == (placement != "resident")
 
 

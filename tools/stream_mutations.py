@@ -34,7 +34,7 @@ TARGETS = ("fusedoff/offload/pipeline.py", "fusedoff/offload/engine.py", "fusedo
 # (pattern, replacement): the replacement keeps the line's indentation and makes it do nothing.
 RULES = (
     (re.compile(r"^(\s*)(rt|self\.runtime)\.(wait_event|wait_stream)\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
-    (re.compile(r"^(\s*)([\w\[\]\.\(\)]+) = (rt|self\.runtime)\.record\(.*\)\s*(#.*)?$"), r"\1\2 = None  # MUTATED"),
+    (re.compile(r"^(\s*)([\w\[\]\.\(\)]+) = (rt|self\.runtime)\.(record|timer)\(.*\)\s*(#.*)?$"), r"\1\2 = None  # MUTATED"),
     (re.compile(r"^(\s*)(\w+\.)?runtime\.synchronize\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)(rt|(\w+\.)?runtime)\.wait_host_compute\(.*\)\s*(#.*)?$"), r"\1pass  # MUTATED"),
     (re.compile(r"^(\s*)self\.before_host_write\(\)\s*(#.*)?$"), r"\1pass  # MUTATED"),

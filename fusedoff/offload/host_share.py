@@ -190,6 +190,11 @@ class HostShare:
         return sum(self.plan.numels)
 
     @property
+    def pinned(self) -> bool:
+        """Whether its states and every page-locked buffer (parameters, gradients, scalars) are pinned."""
+        return all(s.pinned for s in (self.store, self.params, self._scalars, *self._grads.values()))
+
+    @property
     def buffer_bytes(self) -> int:
         """The page-locked buffers of parameters, gradients, step counts and scalars."""
         return sum(s.nbytes for s in (self.params, self._scalars, *self._grads.values()))
@@ -260,7 +265,8 @@ class HostShare:
     def _copied_down(self, rt: Runtime, down):
         """The event the worker waits for: the copies down are done (a timer: host_share="auto"
         reads when they were)."""
-        return rt.timer(down)
+        loaded = rt.timer(down)
+        return loaded
 
     def _wait_for_worker(self, rt: Runtime) -> None:
         """The host waits for the worker's task (before the copy back reads what it wrote)."""

@@ -324,7 +324,7 @@ class Placement:
         last, streamed_last = link.last_step, link.streamed_last_step
         return {
             "host_bytes": streamed_bytes + host_computed_bytes,
-            "host_pinned": bool(stores or hosts) and all(s.pinned for s in (*stores, *(h.store for h in hosts))),
+            "host_pinned": bool(stores or hosts) and all(s.pinned for s in stores) and all(h.pinned for h in hosts),
             "resident_bytes": self.resident_bytes,
             "streamed_bytes": streamed_bytes,
             # The parameter elements whose states stream, and the host bytes (the store's alignment
