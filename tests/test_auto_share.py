@@ -20,10 +20,11 @@ import torch
 
 import fusedoff
 from fusedoff.offload import auto_share, host_share, runtimes
-from fusedoff.offload.auto_share import MEASURED_STEPS, MIN_GAIN, PROBE_SHARE, AutoShare, StepTimes
+from fusedoff.offload.auto_share import MEASURED_STEPS, MIN_GAIN, PROBE_SHARE, AutoShare, AutoShares, StepTimes
 from fusedoff.offload.cuda_runtime import _start_worker
 from fusedoff.offload.runtime import HostRuntime
 from fusedoff.testing.simulator import SimulatedRuntime
+from tests import test_host_share
 from tests.helpers import assert_bitwise_equal, make_params
 
 GRID = [i / 10000 for i in range(10001)]
@@ -121,12 +122,13 @@ def test_a_balance_that_moves_is_followed():
     assert controller.replans == 3
 
 
-def test_a_path_not_measured_decides_nothing_until_it_is():
-    """A share that hosted nothing (every tensor larger than it) measures no host rate: no move."""
+def test_a_probe_that_hosts_nothing_is_doubled_up_to_its_limit():
+    """A share whose tensors all exceed it hosts nothing (every tensor larger): the probe doubles
+    (a share that hosts the same tensors re-places nothing) until one is hosted, or MAX_PROBE."""
     controller = AutoShare()
-    moved = [controller.observe(StepTimes(0, 1000, device_s=1.0, down_s=0.0, host_s=0.0)) for _ in range(20)]
-    assert moved.count(True) == 1  # the probe, once
-    assert controller.share == PROBE_SHARE and controller.report()["seconds_per_share"]["host"] is None
+    moved = [controller.observe(StepTimes(0, 1000, device_s=1.0, down_s=0.0, host_s=0.0)) for _ in range(40)]
+    assert moved.count(True) == 4  # 0.1, 0.2, 0.4, 0.5
+    assert controller.share == auto_share.MAX_PROBE and controller.report()["seconds_per_share"]["host"] is None
 
 
 # ---- the engine -------------------------------------------------------------------------------------
@@ -134,9 +136,11 @@ LINK_SECONDS_PER_BYTE = 1e-9
 
 
 class ClockedRuntime(SimulatedRuntime):
-    """The stream simulator with clocks: a timer reads the bytes copied over the link so far (at
-    LINK_SECONDS_PER_BYTE), and the host worker's clock advances by `host_seconds_per_element`
-    times the elements its task touches."""
+    """The stream simulator with clocks: the device's time is the bytes copied over the link so far
+    (at LINK_SECONDS_PER_BYTE); a host worker's task starts when the event it waits for was recorded
+    and takes `host_seconds_per_element` times the elements it touches; once the host has waited for
+    a task, nothing the device does next is earlier than its end. The worker's own clock (`now`)
+    advances by the task's seconds while it runs."""
 
     measures_time = True
 
@@ -144,12 +148,17 @@ class ClockedRuntime(SimulatedRuntime):
         super().__init__(device, seed=seed)
         self.host_seconds_per_element = host_seconds_per_element
         self._at: dict[int, tuple[object, float]] = {}
+        self._task_end: dict[int, tuple[object, float]] = {}
+        self._floor = 0.0
         self._clock = 0.0
         self._task_cost = 0.0
 
+    def _device_time(self) -> float:
+        return max(self._floor, (self.link.to_device + self.link.to_host) * LINK_SECONDS_PER_BYTE)
+
     def timer(self, stream):
         event = self.record(stream)
-        self._at[id(event)] = (event, (self.link.to_device + self.link.to_host) * LINK_SECONDS_PER_BYTE)
+        self._at[id(event)] = (event, self._device_time())
         return event
 
     def seconds(self, start, end):
@@ -158,12 +167,20 @@ class ClockedRuntime(SimulatedRuntime):
     def host_compute(self, fn, *, after, reads=(), writes=()):
         writes = list(writes)
         cost = sum(t.numel() for t in writes) * self.host_seconds_per_element
+        began = self._at[id(after)][1] if after is not None else self._device_time()
 
         def timed():
             self._task_cost = cost
             fn()
 
-        return super().host_compute(timed, after=after, reads=reads, writes=writes)
+        task = super().host_compute(timed, after=after, reads=reads, writes=writes)
+        self._task_end[id(task)] = (task, began + cost)
+        return task
+
+    def wait_host_compute(self, task) -> None:
+        super().wait_host_compute(task)
+        if task is not None:
+            self._floor = max(self._floor, self._task_end[id(task)][1])
 
     def now(self) -> float:
         began, self._clock = self._clock, self._clock + self._task_cost
@@ -172,7 +189,7 @@ class ClockedRuntime(SimulatedRuntime):
 
 
 SHAPES = [(64,)] * 16 + [(8, 8)] * 4  # twenty tensors of 64: a share moves in steps of 5%
-STEPS = 12
+STEPS = 3 * MEASURED_STEPS + 2  # share 0, the probe, then the balance
 
 
 def clocked_run(share, host_seconds_per_element: float, *, dtype=torch.bfloat16, **kwargs):
@@ -212,7 +229,7 @@ def test_auto_moves_the_share_toward_the_faster_path_and_keeps_every_bit(host_se
     assert shares[:MEASURED_STEPS] == [0.0] * MEASURED_STEPS  # streaming only, measured first
     assert shares[MEASURED_STEPS] == pytest.approx(PROBE_SHARE)  # two of the twenty tensors
     assert (shares[-1] - shares[MEASURED_STEPS]) * direction > 0  # the placement followed
-    assert auto["last_step"]["step_s"] > 0
+    assert auto["last_step"]["measured_step_s"] > 0
     assert len(auto["measured_step_s"]) == 3 if direction > 0 else 2  # (a slow host: the probe, then back to 0)
 
 
@@ -305,10 +322,10 @@ def test_the_workers_threads_are_its_own():
 def test_report_before_and_after_a_step():
     controller = AutoShare(share=0.1)
     assert controller.report()["last_step"] is None
-    controller.observe(StepTimes(10, 90, device_s=1.0, down_s=0.1, host_s=0.2))
+    controller.observe(StepTimes(10, 90, device_s=1.0, down_s=0.1, host_s=0.2, measured_s=1.05))
     report = controller.report()
     assert report["last_step"] == {"share": 0.1, "device_s": 1.0, "host_s": pytest.approx(0.3),
-                                   "step_s": 1.0}
+                                   "measured_step_s": 1.05}
     assert report["seconds_per_share"]["host"] == pytest.approx(2.0)
     assert report["seconds_per_share"]["device"] == pytest.approx(0.9 / 0.9)
 
@@ -328,3 +345,151 @@ def test_a_share_the_placement_cannot_reach_is_not_placed_again_and_again():
         placed = round(controller.share * 2) / 2
         controller.observe(paths.times(placed, elements=2))
     assert controller.replans == 1 and controller.share == pytest.approx(1 / 1.35, abs=0.01)
+
+
+def test_a_container_narrower_than_the_machine_is_split_among_its_ranks(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)  # a cpuset of 32
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert host_share.default_host_threads() == 3  # 32 / 8 - 1, not 31 for each of 8 ranks
+
+
+# ---- what the engine feeds the controller ----------------------------------------------------------------
+class _FakeTimers:
+    """A runtime whose timers are numbers (seconds), complete after `ready_after` looks."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, ready_after: int = 0, capturing: bool = False) -> None:
+        self.looks, self.ready_after, self._capturing = 0, ready_after, capturing
+
+    def capturing(self) -> bool:
+        return self._capturing
+
+    def seconds(self, start, end):
+        self.looks += 1
+        return None if self.looks <= self.ready_after else end - start
+
+    def task_seconds(self, task, measured):
+        return measured
+
+
+def _timing(rt, *, skipped=False):
+    host = SimpleNamespace(copied_down=0.1, copied_up=1.2, last_task=None, compute_s=0.8, skipped=skipped)
+    return auto_share._Timing(rt, 0.0, [], hosted=10, streamed=90, ends=[1.0, 0.9], hosts=[host])
+
+
+def test_the_step_measured_is_from_its_start_to_the_last_copy_back():
+    shares = AutoShares()
+    rt = _FakeTimers()
+    shares.by_device[rt.device] = AutoShare(share=0.1)
+    shares._pending = [_timing(rt)]
+    shares.observe()
+    last = shares.by_device[rt.device].last
+    assert (last.device_s, last.down_s, last.host_s, last.measured_s) == (1.0, 0.1, 0.8, 1.2)
+
+
+def test_steps_gradscaler_skipped_are_not_measured():
+    """A skipped step's host kernels return at once: its host time would say the host is free."""
+    shares = AutoShares()
+    rt = _FakeTimers()
+    shares.by_device[rt.device] = AutoShare(share=0.1)
+    shares._pending = [_timing(rt, skipped=True)]
+    shares.observe()
+    assert shares.by_device[rt.device].last is None and shares.report() is None
+
+
+def test_timers_not_complete_are_looked_at_again_then_dropped():
+    shares = AutoShares()
+    late = _FakeTimers(ready_after=4)  # the first look reads 4 timers: none complete
+    shares.by_device[late.device] = AutoShare(share=0.1)
+    shares._pending = [_timing(late)]
+    shares.observe()
+    assert shares.by_device[late.device].last is None and len(shares._pending) == 1
+    shares.observe()
+    assert shares.by_device[late.device].last is not None and not shares._pending
+    never = _FakeTimers(ready_after=10**9)
+    shares._pending = [_timing(never)]
+    for _ in range(auto_share.PENDING):
+        shares.observe()
+    assert not shares._pending  # (dropped, never waited for)
+
+
+def test_nothing_is_looked_at_during_a_graph_capture_and_a_failed_step_is_discarded():
+    shares = AutoShares()
+    rt = _FakeTimers(capturing=True)
+    shares.by_device[rt.device] = AutoShare(share=0.1)
+    shares._pending = [_timing(rt)]
+    shares.observe()
+    assert rt.looks == 0 and len(shares._pending) == 1
+    shares.discard()
+    assert not shares._pending
+
+
+def test_a_share_that_hosts_the_same_tensors_places_nothing_afresh():
+    """Whole tensors: a share that would host the tensors already hosted is recorded, and the states
+    stay where they are (each re-placement copies every state once in host memory)."""
+    params = make_params([(64,)] * 10)
+    opt = fusedoff.AdamW(params, offload="stream", chunk_size=128, backend="cpu", host_share=0.3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    placement = opt._engine.placement
+    opt.param_groups[0]["host_share"] = 0.35  # still three of the ten tensors
+    opt.step()
+    assert opt._engine.placement is placement and opt.memory_stats()["host_computed_params"] == 3 * 64
+    opt.param_groups[0]["host_share"] = 0.45  # four
+    opt.step()
+    assert opt._engine.placement is not placement and opt.memory_stats()["host_computed_params"] == 4 * 64
+
+
+def test_auto_is_0_under_overlap_with():
+    """The next forward waits for a module's host-computed parameters until the host stepped the
+    whole bucket, which the step's timers do not see: "auto" hosts nothing while the step overlaps."""
+    sims = []
+
+    def factory(device):
+        sims.append(ClockedRuntime(device, seed=0, host_seconds_per_element=1e-10))
+        return sims[-1]
+
+    with runtimes.simulate(factory):
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(10)))
+        opt = fusedoff.AdamW(model.parameters(), offload="stream", chunk_size=128, backend="cpu")
+
+        def step():
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            return opt.memory_stats()["host_computed_params"]
+
+        hosted = [step() for _ in range(3 * MEASURED_STEPS + 2)]
+        assert hosted[-1] > 0  # (a fast host: "auto" hosts tensors)
+        opt.overlap_with(model)
+        assert [step() for _ in range(3 * MEASURED_STEPS + 2)] == [0] * (3 * MEASURED_STEPS + 2)
+
+
+@pytest.mark.parametrize("placement", ["streamed", "mixed"])
+@pytest.mark.parametrize("case", list(test_host_share.CASES))
+def test_a_moving_automatic_share_keeps_every_bit(case, placement, monkeypatch):
+    """test_host_share's run (two groups, GradScaler with an overflow, clipping, a write outside the
+    step, states read after each step, a share set by hand, a checkpoint loaded into a new optimizer)
+    with host_share="auto" deciding after every step (MEASURED_STEPS 1) on the clocked simulator,
+    whose race checker sees it: the bits of share 0."""
+    monkeypatch.setattr(auto_share, "MEASURED_STEPS", 1)
+    monkeypatch.setitem(test_host_share.OTHER_SHARE, "auto", 0.3)  # the share set by hand at CHANGE_AT
+    cls, kwargs, dtype = test_host_share.CASES[case]
+
+    def make(groups, share):
+        return cls(groups, **kwargs, **test_host_share.PLACEMENTS[placement], backend="cpu", host_share=share)
+
+    want = test_host_share.training_run(make, dtype, 0.0)[:2]
+    sims = []
+
+    def factory(device):
+        sims.append(ClockedRuntime(device, seed=len(sims), host_seconds_per_element=1e-11))
+        return sims[-1]
+
+    with runtimes.simulate(factory):
+        got = test_host_share.training_run(make, dtype, "auto", sim=sims)[:2]
+    assert_bitwise_equal(got, want)
+    assert sum(sim.host_tasks for sim in sims) > 0 and any(sim.checked for sim in sims)

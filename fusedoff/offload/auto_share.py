@@ -49,7 +49,9 @@ from dataclasses import dataclass, field
 PROBE_SHARE = 0.1
 MIN_GAIN = 0.05
 NOISE = 0.01  # two measured steps closer than this are the same
-MEASURED_STEPS = 3
+MEASURED_STEPS = 5
+RETURNS = 2  # returns to a measured share on less than MIN_GAIN: after these, a return needs MIN_GAIN
+MAX_PROBE = 0.5
 # A best share this close to the one placed is that one: whole tensors move, and a share the
 # placement cannot reach (every tensor larger than the difference) would re-place for nothing.
 SAME_SHARE = 0.02
@@ -65,6 +67,7 @@ class StepTimes:
     device_s: float
     down_s: float  # the host share's copies down done (0: none)
     host_s: float  # the host kernels' time on the worker
+    measured_s: float | None = None  # the step's start to its last copy back, host share's included
 
     @property
     def share(self) -> float:
@@ -73,6 +76,9 @@ class StepTimes:
 
     @property
     def step_s(self) -> float:
+        """The step measured where it was, else the longer of its two paths."""
+        if self.measured_s is not None:
+            return self.measured_s
         return max(self.device_s, self.down_s + self.host_s if self.hosted else 0.0)
 
 
@@ -91,6 +97,7 @@ class AutoShare:
     _steps: list[float] = field(default_factory=list)  # the steps measured at this placement
     _tried: list[float] = field(default_factory=list)  # the model's shares moved to (placed or not)
     _probed: bool = False
+    _returns: int = 0
 
     def observe(self, times: StepTimes) -> bool:
         """One step's times; True where the share moved (the engine places afresh)."""
@@ -108,15 +115,19 @@ class AutoShare:
         if before is not None and abs(step - before) > MIN_GAIN * before:  # the balance moved
             self.measured.clear()
             self._tried.clear()
+            self._returns = 0
         self.measured[placed] = step
         best, best_step = min(self.measured.items(), key=lambda item: item[1])
-        if best_step < (1.0 - NOISE) * step:
+        if best_step < (1.0 - (NOISE if self._returns < RETURNS else MIN_GAIN)) * step:
+            self._returns += 1
             # (as placed, a hair more: the placement takes each tensor that fits in the share)
             return self._move(min(1.0, best + 1e-9) if best else 0.0, None)
         if not self._probed:
             self._probed = True
             return self._move(PROBE_SHARE, None) if x == 0.0 else False
-        if not (self._device_rates and self._host_rates):
+        if not self._host_rates:  # the probe hosted nothing (every tensor larger): a larger one
+            return self._move(min(MAX_PROBE, 2.0 * self.share), None) if 0.0 < self.share < MAX_PROBE else False
+        if not self._device_rates:
             return False
         a, b = statistics.median(self._device_rates), statistics.median(self._host_rates)
         down = statistics.median(self._down_rates)
@@ -150,21 +161,30 @@ class AutoShare:
             "predicted_step_s": self.predicted_s,
             "last_step": None if last is None else {"share": last.share, "device_s": last.device_s,
                                                     "host_s": last.down_s + last.host_s if last.hosted else 0.0,
-                                                    "step_s": last.step_s},
+                                                    "measured_step_s": last.measured_s},
         }
 
 
 @dataclass
 class _Timing:
-    """One step's timers on one device, read at the next step (never waited for)."""
+    """One step's timers on one device, read at a later step (never waited for)."""
 
     runtime: object
     start: object
-    runs: list  # the step's BucketRuns on this device
+    runs: list  # the step's BucketRuns on this device (until `stop`)
     hosted: int
     streamed: int
-    ends: list = field(default_factory=list)
-    hosts: list = field(default_factory=list)  # the HostShares that ran (copies-down timers, host kernels' seconds)
+    ends: list = field(default_factory=list)  # the device's work done (main stream, the copies back)
+    hosts: list = field(default_factory=list)  # the HostShares that ran
+    # Taken at the first look, once the host waited for the worker (the next step overwrites them):
+    # each host share's (copies down, copy back) timers, the host kernels' seconds, a skipped step.
+    host_timers: list | None = None
+    host_s: float = 0.0
+    skipped: bool = False
+    looks: int = 0
+
+
+PENDING = 4  # steps whose timers are looked at again while not complete (then dropped)
 
 
 class AutoShares:
@@ -200,7 +220,7 @@ class AutoShares:
         return timings
 
     def stop(self, timings: list[_Timing]) -> None:
-        """Timers at the end of the step's device work (its queueing done); read at the next step."""
+        """Timers at the end of the step's device work (its queueing done); read at a later step."""
         for timing in timings:
             rt = timing.runtime
             pipelines = {id(run.bucket.pipeline): run.bucket.pipeline for run in timing.runs}
@@ -208,21 +228,44 @@ class AutoShares:
             timing.ends = [rt.timer(rt.current_stream())]
             timing.ends += [rt.timer(p.copy_out) for p in pipelines.values() if p is not None]
             timing.runs = []
-        self._pending = timings
+        self._pending = [*self._pending, *timings][-PENDING:]
+
+    def discard(self) -> None:
+        """The step failed after `stop`: its times are not a step's."""
+        self._pending = []
 
     def observe(self) -> None:
-        """Feeds the last step's times to each device's controller (the host has waited for its
-        worker: the host kernels' seconds are written). Times not ready are dropped."""
+        """Feeds the steps' times to each device's controller, once their timers are complete (never
+        waiting for them: a step whose timers are not is looked at again at the next steps, up to
+        PENDING of them). The host has waited for the worker of each step before (its join, or the
+        next step's): the host kernels' seconds are written. Steps that GradScaler skipped (found_inf:
+        the host kernels changed nothing) are not measurements of a step."""
         pending, self._pending = self._pending, []
         for timing in pending:
             rt = timing.runtime
+            if rt.capturing():  # (an event query would end a graph capture)
+                self._pending.append(timing)
+                continue
+            if timing.host_timers is None:
+                timing.host_timers = [(h.copied_down, h.copied_up) for h in timing.hosts]
+                timing.host_s = sum(rt.task_seconds(h.last_task, h.compute_s) for h in timing.hosts)
+                timing.skipped = any(h.skipped for h in timing.hosts)
+                timing.hosts = []
+            if timing.skipped:
+                continue
             ends = [rt.seconds(timing.start, end) for end in timing.ends]
-            downs = [rt.seconds(timing.start, host.copied_down) for host in timing.hosts]
-            if any(t is None for t in (*ends, *downs)):
+            downs = [rt.seconds(timing.start, down) for down, _ in timing.host_timers]
+            ups = [rt.seconds(timing.start, up) for _, up in timing.host_timers]
+            if any(t is None for t in (*ends, *downs, *ups)):
+                timing.looks += 1
+                if timing.looks < PENDING:
+                    self._pending.append(timing)
                 continue
             times = StepTimes(timing.hosted, timing.streamed, device_s=max(ends), down_s=min(downs, default=0.0),
-                              host_s=sum(rt.task_seconds(host.last_task, host.compute_s) for host in timing.hosts))
-            self.by_device[rt.device].observe(times)
+                              host_s=timing.host_s, measured_s=max(ends + ups))
+            auto = self.by_device.get(rt.device)
+            if auto is not None:  # (None: its buckets were placed afresh under overlap_with, at 0)
+                auto.observe(times)
 
     def placed(self) -> None:
         """Every bucket placed afresh for another reason than a share moved."""
@@ -231,7 +274,7 @@ class AutoShares:
 
     def report(self) -> dict | None:
         """``memory_stats()["host_share_auto"]``: by device (None: no automatic share)."""
-        return {str(device): auto.report() for device, auto in self.by_device.items()} or None
+        return {str(device): auto.report() for device, auto in self.by_device.items() if auto.last is not None} or None
 
 
 def predicted_step(x: float, a: float, b: float, down: float) -> float:

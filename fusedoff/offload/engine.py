@@ -98,14 +98,18 @@ class OffloadEngine:
             update = rules._fused_update(group, backend, None, None, tuple(s.name for s in key.specs), params)
             measurable = auto_host_computable(key.device, backend, bool(update.stats_columns),
                                               self.runtimes.of(key.device))
-        bucket = self.placement.place(key, params, backend, self.auto_shares.share(option, key.device, measurable),
-                                      auto_share=measurable)
+        share = self.auto_shares.share(option, key.device, measurable and self.schedule.order is None)
+        bucket = self.placement.place(key, params, backend, share, auto_share=measurable)
         self._device_peak = max(self._device_peak, self.placement.device_bytes)
         return bucket
 
     def _share_of(self, group: dict, bucket: Bucket) -> float:
-        """The host share `bucket` would be placed with now (see [note: the automatic host share])."""
-        return self.auto_shares.share(host_share_of(group), bucket.device, bucket.auto_share)
+        """The host share `bucket` would be placed with now (see [note: the automatic host share]).
+        Under `overlap_with`, "auto" is 0: the next forward reads a module's host-computed parameters
+        only once the host has stepped its whole bucket (see [note: the host share of a step]), which
+        the step's timers do not see."""
+        measurable = bucket.auto_share and self.schedule.order is None
+        return self.auto_shares.share(host_share_of(group), bucket.device, measurable)
 
     # ---- re-placement ---------------------------------------------------------------------------------
     def drop_placement(self, **changes) -> None:
@@ -178,7 +182,7 @@ class OffloadEngine:
             for param in created:
                 dict.pop(state, param, None)
             raise
-        timings = self.auto_shares.start(runs)
+        timings = self.auto_shares.start(runs) if self.schedule.order is None else []  # (0 under overlap)
         with interrupts_held():
             try:
                 for increment in increments:
@@ -192,6 +196,7 @@ class OffloadEngine:
                     self._run_in_forward_order(runs)
                     self.auto_shares.stop(timings)
             except BaseException as error:
+                self.auto_shares.discard()
                 self.incomplete = incomplete_message(error)
                 self._settle_after()
                 raise StepIncompleteError(self.incomplete) from error

@@ -71,15 +71,15 @@ def host_share_of(group: dict) -> float | str:
 def default_host_threads() -> int:
     """The host worker's threads where ``host_threads`` is not given: the CPUs this process may run
     on, split among the node's ranks where the launcher did not already split them
-    (``LOCAL_WORLD_SIZE``: torchrun's; an affinity narrower than the machine is taken as already
-    split), less one each for the Python thread that queues the next forward and the data loader's
+    (``LOCAL_WORLD_SIZE``: torchrun's; an affinity that the ranks' count of would fit in the machine
+    is taken as split already, one a container narrows is not), less one each for the Python thread that queues the next forward and the data loader's
     main loop. Data loader workers are processes of their own: pass fewer where they need cores."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on every platform)
         cpus = os.cpu_count() or 1
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    if cpus < (os.cpu_count() or cpus):
+    if cpus * ranks <= (os.cpu_count() or cpus):  # each rank pinned to its own part of the machine
         ranks = 1
     return max(1, cpus // ranks - 1)
 
@@ -184,10 +184,17 @@ class HostShare:
         self.copied_up = None  # the event of the last copy back of parameters
         self.copied_down = None  # the (timer) event of the last step's copies down
         self.compute_s = 0.0  # the host kernels' seconds in the last step's task (set by the worker)
+        self._skip_flag: Tensor | None = None  # the last step's found_inf, copied down (None: none)
 
     @property
     def numel(self) -> int:
         return sum(self.plan.numels)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether GradScaler skipped the last step (its found_inf, as copied down; read once the host
+        has waited for the worker, which waited for that copy)."""
+        return self._skip_flag is not None and bool(self._skip_flag.item())
 
     @property
     def pinned(self) -> bool:
@@ -259,6 +266,7 @@ class HostShare:
 
         writes = run.touched
         self.copied_down = self._copied_down(rt, down)
+        self._skip_flag = run.update.found_inf
         self.task = self.last_task = rt.host_compute(compute, after=self.copied_down, reads=writes, writes=writes)
         self._to_copy_up = list(run.tensors)
 
@@ -292,7 +300,7 @@ class HostShare:
         for t in self._to_copy_up:
             rt.copy_to_device(up, bucket.flat_param(t), self.params.view("param", t))
         self._to_copy_up = []
-        self.copied_up = rt.record(up)
+        self.copied_up = rt.timer(up)  # (a timer: host_share="auto" reads when the host's path ended)
         return self.copied_up
 
     def settle(self, bucket) -> None:

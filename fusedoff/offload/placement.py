@@ -135,6 +135,11 @@ class _Group(NamedTuple):
 _generations = itertools.count()
 
 
+def _host_candidates(params: Sequence[Tensor], resident: Sequence[bool]) -> tuple[list[int], list[bool]]:
+    """A bucket's tensors' elements, and which of them a host share may take (streamed, unsharded)."""
+    return [local_tensor(p).numel() for p in params], [not r and not is_dtensor(p) for p, r in zip(params, resident)]
+
+
 class Placement:
     """The buckets of one engine, where their states live, and the budgets that decided it."""
 
@@ -255,9 +260,20 @@ class Placement:
 
     def share_changed(self, groups: list[dict], share_of: Callable[[dict, Bucket], float]) -> bool:
         """True when a group's host share (`share_of(group, bucket)`, as the engine resolves it for a
-        placed bucket) is not the one its placed buckets were placed for."""
-        return any(key.group_index < len(groups) and share_of(groups[key.group_index], bucket) != bucket.host_share
-                   for key, bucket in self.buckets.items())
+        placed bucket) would host other tensors than its placed buckets do. A share that would host
+        the same ones (whole tensors: see [note: the host share]) is only recorded: nothing moves."""
+        moved = False
+        for key, bucket in self.buckets.items():
+            if key.group_index >= len(groups):
+                continue
+            share = share_of(groups[key.group_index], bucket)
+            if share == bucket.host_share:
+                continue
+            if host_computed(*_host_candidates(bucket.params, bucket.resident), share) == bucket.hosted:
+                bucket.host_share = share
+            else:
+                moved = True
+        return moved
 
     def place(self, key: BucketKey, params: list[Tensor], backend: str, host_share: float = 0.0, *,
               auto_share: bool = False) -> Bucket:
@@ -274,7 +290,7 @@ class Placement:
         # cut on those blocks' boundaries (see `lead` in plan.py).
         block = max((s.block for s in specs), default=1)
         numels = [local_tensor(p).numel() for p in params]
-        hosted = host_computed(numels, [not r and not is_dtensor(p) for p, r in zip(params, resident)], host_share)
+        hosted = host_computed(*_host_candidates(params, resident), host_share)
         plan = self.chunk_plan([0 if r or h else n for n, r, h in zip(numels, resident, hosted)], specs,
                                [block_lead(p, block) for p in params])
         store = pipeline = host = None
