@@ -44,6 +44,7 @@ ext_modules = [
         include_dirs=build.include_dirs(),
         extra_compile_args=build.compile_args(with_cuda),
         extra_link_args=build.link_args(),
+        py_limited_api=True,  # see [note: one binary for every torch] in csrc/ops.cpp
     )
 ]
 if build.emulation_requested():  # the tests' emulated CUDA kernels (FUSEDOFF_CUDA_EMULATION=1; never in wheels)
@@ -54,6 +55,7 @@ if build.emulation_requested():  # the tests' emulated CUDA kernels (FUSEDOFF_CU
             sources=_relative([*build.emulation_kernel_sources(), build.emulation_runtime_source()]),
             include_dirs=build.emulation_include_dirs(),
             extra_compile_args={"cxx": build.emulation_compile_args()},
+            py_limited_api=True,
         )
     )
 
@@ -61,4 +63,5 @@ setup(
     packages=find_packages(include=["fusedoff", "fusedoff.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": build.ABI3_TAG}},  # one wheel for every CPython >= 3.10
 )

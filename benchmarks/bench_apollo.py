@@ -42,7 +42,7 @@ if not __package__:  # run as a script: the repository root, for `benchmarks` an
 from benchmarks import plotting, timing, traffic  # noqa: E402
 
 import fusedoff  # noqa: E402
-from fusedoff._ext import load_extension  # noqa: E402
+from fusedoff._ext import cpu_isa, load_extension  # noqa: E402
 from fusedoff.kernels.reference import ApolloReference  # noqa: E402
 
 LR, BETA, EPS, WEIGHT_DECAY, APOLLO_WARMUP = 1e-2, 0.9, 1e-4, 1e-2, 0
@@ -326,7 +326,7 @@ def main() -> None:
             rows += run_config(config, args, args.device)
     load_note = timing.load_note(load)
 
-    extra = {"fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": load_extension().cpu_isa(),
+    extra = {"fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": cpu_isa(),
              "device": str(args.device), "label": args.label, "load": load_note}
     if args.device.type == "cuda":
         extra |= timing.gpu_metadata()

@@ -46,7 +46,7 @@ from benchmarks.peers import load_deepspeed_cpu_adam  # noqa: E402
 
 import fusedoff  # noqa: E402
 from fusedoff import ops  # noqa: E402
-from fusedoff._ext import load_extension  # noqa: E402
+from fusedoff._ext import cpu_isa, load_extension  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 CONFIGS = ("fp32", "bf16_master")
@@ -346,7 +346,7 @@ def main() -> None:
 
     meta = timing.hardware_metadata(args.threads, {
         "fusedoff": fusedoff.__version__,
-        "fusedoff_cpu_isa": load_extension().cpu_isa(),
+        "fusedoff_cpu_isa": cpu_isa(),
         "deepspeed": deepspeed_status,
         "deepspeed_build": deepspeed_build,
         "label": args.label,

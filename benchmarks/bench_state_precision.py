@@ -43,7 +43,7 @@ from benchmarks import peers, plotting, timing  # noqa: E402
 from benchmarks.peers import ADAM_HYPER, PeerUnavailable  # noqa: E402
 
 import fusedoff  # noqa: E402
-from fusedoff._ext import load_extension  # noqa: E402
+from fusedoff._ext import cpu_isa  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "8bit")
 PARAM_GRAD_BYTES = 4 + 4 + 4  # fp32 param read + write, fp32 grad read
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     load_note = timing.load_note(load)
     versions = peers.versions()
     meta = timing.hardware_metadata(args.threads, {
-        "fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": load_extension().cpu_isa(),
+        "fusedoff": fusedoff.__version__, "fusedoff_cpu_isa": cpu_isa(),
         "torchao": versions["torchao"], "bitsandbytes": versions["bitsandbytes"],
         "label": args.label, "load": load_note,
     })

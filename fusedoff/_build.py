@@ -115,6 +115,19 @@ def sources(with_cuda: bool) -> list[str]:
 FP_CONTRACT_OFF = ["-ffp-contract=off"]
 
 
+# [note: one binary for every torch] (csrc/ops.cpp): the extension is built against torch's stable C ABI
+# for the oldest torch supported (pyproject.toml's `torch>=`), so one build loads in it and every later
+# torch; and on CPython's limited API for the oldest Python supported (a cp310-abi3 wheel).
+OLDEST_TORCH = (2, 11)
+ABI3_TAG = "cp310"
+
+
+def stable_abi_defines() -> list[str]:
+    """TORCH_TARGET_VERSION as torch/csrc/stable/version.h spells it: major and minor in the top bytes."""
+    major, minor = OLDEST_TORCH
+    return [f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"]
+
+
 def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     # -fno-math-errno lets sqrtf vectorise; -fno-trapping-math lets the compiler compute both sides
     # of a float select (the 8-bit codes' normal/subnormal paths), without which those loops stay
@@ -125,7 +138,7 @@ def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     # notes that passing one to a function without AVX-512 has another ABI; every such call is inlined.
     cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-Wno-psabi"]
     defines = ["-DFUSEDOFF_WITH_CUDA"] if with_cuda else []
-    args = {"cxx": cxx + defines}
+    args = {"cxx": cxx + defines + stable_abi_defines()}
     if with_cuda:
         # No --use_fast_math: it flushes subnormals and approximates sqrt/div, breaking parity;
         # --fmad=false: see [note: one rounding everywhere].
@@ -169,7 +182,7 @@ def emulation_compile_args(sanitizer: str | None = None) -> list[str]:
     first error (UBSan would otherwise print and go on).
     """
     args = ["-O2", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-DFUSEDOFF_WITH_CUDA",
-            "-DFUSEDOFF_CUDA_EMULATION"]
+            "-DFUSEDOFF_CUDA_EMULATION", *stable_abi_defines()]
     if sanitizer == "thread":
         args += ["-fsanitize=thread", "-fno-omit-frame-pointer", "-g"]
     elif sanitizer == "address":

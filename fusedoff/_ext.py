@@ -21,7 +21,6 @@ import shutil
 import sys
 import time
 import types
-import warnings
 from pathlib import Path
 
 import torch
@@ -34,16 +33,12 @@ class NativeExtensionUnavailable(RuntimeError):
 
 
 def _import_prebuilt() -> tuple[types.ModuleType | None, str]:
+    """The prebuilt module: built on torch's stable ABI, it loads in its `oldest_torch` and every later
+    torch (see [note: one binary for every torch] in csrc/ops.cpp); in an older one it does not load."""
     try:
         from fusedoff import _C  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, f"no usable prebuilt fusedoff._C ({exc})"
-    if _C.torch_version != torch.__version__.split("+")[0]:
-        warnings.warn(
-            f"fusedoff._C was built against torch {_C.torch_version} but torch {torch.__version__} is running; "
-            "rebuild it (pip install --no-build-isolation -e .) if anything misbehaves",
-            stacklevel=3,
-        )
     return _C, ""
 
 
@@ -166,6 +161,12 @@ def load_extension() -> types.ModuleType:
 
 def native_available() -> bool:
     return _load()[1] is None
+
+
+def cpu_isa() -> str:
+    """The instruction set the host kernels dispatch to on this CPU ("avx512", "avx2", "baseline")."""
+    load_extension()
+    return torch.ops.fusedoff.cpu_isa()
 
 
 def cuda_kernels_available() -> bool:

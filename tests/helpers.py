@@ -36,6 +36,15 @@ def sizes_across_cpu_blocks() -> tuple[tuple[int], ...]:
     return ((block - 1,), (block,), (block + 1,), (3 * block + 5,))
 
 
+def native_selftests():
+    """The host kernels' self-tests (csrc/cpu/selftests.h): ops of torch.ops.fusedoff_testing, which
+    the native extension registers beside torch.ops.fusedoff (loading it first)."""
+    from fusedoff import _ext
+
+    _ext.load_extension()
+    return torch.ops.fusedoff_testing
+
+
 def backend_params(backends=("cpu", "cuda", "torch")):
     """pytest params for (backend, device): cuda ones carry the `cuda` marker (skipped without a GPU).
     Wherever the CUDA kernels run, their host emulation runs too (`cuda_emulated` on CPU tensors,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fusedoff
-from fusedoff import ops
+from fusedoff import _ext, ops
 from fusedoff.kernels import codec
-from tests.helpers import assert_bitwise_equal, backend_params, make_params, seeded_grads, train
+from tests.helpers import assert_bitwise_equal, backend_params, make_params, native_selftests, seeded_grads, train
 
 BACKENDS = backend_params(("cpu", "cuda", "torch", "triton"))
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True, maximize=False)
@@ -105,12 +105,10 @@ def test_the_host_kernels_avx512_codec_gives_the_definitions_codes_for_every_val
     the maps ([note: the codec as float arithmetic]); over every fp32 bit pattern and every code,
     under block factors across the fp32 range, it must give state_codec.h's results bit for bit.
     (The other backends' agreement with state_codec.h: test_codes_and_random_bits_are_the_same_on_every_backend.)"""
-    from fusedoff import _C
-
-    differing = _C.testing.state_codec_selftest(torch.get_num_threads())
-    if differing is None:
-        pytest.skip(f"no AVX-512 on this CPU (the host kernels run the {_C.cpu_isa()} form of the scalar codec)")
-    assert differing == (0, 0, 0, 0)
+    differing = native_selftests().state_codec_selftest(torch.get_num_threads())
+    if not differing:
+        pytest.skip(f"no AVX-512 on this CPU (the host kernels run the {_ext.cpu_isa()} form of the scalar codec)")
+    assert differing == [0, 0, 0, 0]
 
 
 def test_a_positive_second_moment_never_decodes_to_0():

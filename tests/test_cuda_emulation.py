@@ -59,7 +59,9 @@ SEEDS = (1, 2, 3)
 
 @pytest.fixture(scope="module")
 def emulator():
-    return load_emulated_extension()
+    """The emulator's controls and self-test kernels: ops of torch.ops.fusedoff_emulated."""
+    load_emulated_extension()
+    return torch.ops.fusedoff_emulated
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import fusedoff
-from fusedoff import ops
+from fusedoff import _ext, ops
 from fusedoff.hyperparameters import AdamHyperparameters
 from fusedoff.kernels import master as masters
-from tests.helpers import assert_bitwise_equal, device_of, make_params, train
+from tests.helpers import assert_bitwise_equal, device_of, make_params, native_selftests, train
 
 SHAPES = ((33, 7), (1,), (300,), (5, 33))
 PLACEMENTS = ("resident", "streamed", "mixed", "simulated")
@@ -37,10 +37,9 @@ def test_the_split_encoding_is_exact_for_every_fp32_value():
     """master.h's functions over all 2^32 bit patterns (two salts for split8): the split master
     comes back bit for bit, split8's rounding comes back and stays within 256 units, and the
     parameter is the rounding to nearest with ties away from zero. A few seconds of C++."""
-    from fusedoff import _C
-
+    selftests = native_selftests()
     for salt in (0, 0x9E3779B9):
-        split, split8, split8_bound, rounding = _C.testing.split_master_selftest(salt, torch.get_num_threads())
+        split, split8, split8_bound, rounding = selftests.split_master_selftest(salt, torch.get_num_threads())
         assert (split, split8, split8_bound, rounding) == (0, 0, 0, 0)
 
 
@@ -49,9 +48,7 @@ def test_an_fp32_master_is_kept_beside_exactly_its_nearest_roundings():
     """master.h's ``master_or_param`` over all 2^32 fp32 masters, each beside the 4 bf16 params
     around its upper half: the master is kept where the param is one of its nearest roundings
     (either at a tie: torch's cast too), the param taken elsewhere (see [note: every write is seen])."""
-    from fusedoff import _C
-
-    assert _C.testing.written_param_selftest(torch.get_num_threads()) == 0
+    assert native_selftests().written_param_selftest(torch.get_num_threads()) == 0
 
 
 @pytest.mark.exhaustive
@@ -59,12 +56,10 @@ def test_the_host_kernels_16_lane_masters_give_the_definitions_bits_for_every_fp
     """The AVX-512 host kernels split and join masters 16 at a time (csrc/cpu/master_lanes.h, the same
     templates of master.h on vectors): over all 2^32 masters, the parameter, the low bits (split and
     split8, one salt) and the master joined back equal master.h's scalar form. About 15 s of C++."""
-    from fusedoff import _C
-
-    differing = _C.testing.split_master_lanes_selftest(0x5B1175A8, torch.get_num_threads())
-    if differing is None:
-        pytest.skip(f"the host kernels have no AVX-512 form on this CPU ({_C.cpu_isa()}): nothing to compare")
-    assert differing == (0, 0)
+    differing = native_selftests().split_master_lanes_selftest(0x5B1175A8, torch.get_num_threads())
+    if not differing:
+        pytest.skip(f"the host kernels have no AVX-512 form on this CPU ({_ext.cpu_isa()}): nothing to compare")
+    assert differing == [0, 0]
 
 
 def test_round_to_nearest_even_leaves_one_master_too_many_for_16_bits():

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import time
 start = time.time()
-from fusedoff._ext import load_extension
+from fusedoff._ext import cpu_isa, load_extension
 m = load_extension()
-print(f"loaded {m.__file__}: cuda kernels {m.with_cuda}, cpu isa {m.cpu_isa()}, {time.time() - start:.0f} s",
+print(f"loaded {m.__file__}: cuda kernels {m.with_cuda}, cpu isa {cpu_isa()}, {time.time() - start:.0f} s",
       flush=True)
 """
 

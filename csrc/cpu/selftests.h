@@ -1,6 +1,7 @@
 // The host kernels' self-tests: exhaustive checks of the claims the kernels rest on, for the tests
 // only (tests/test_split_master.py, tests/test_compressed_states.py). Private to the build: ops.cpp
-// exposes them as `fusedoff._C.testing`, never as ops; the public launchers are in launchers.h.
+// registers them as torch.ops.fusedoff_testing, never as torch.ops.fusedoff; the public launchers
+// are in launchers.h.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 // fewer instructions than the compiler makes of the scalar code (see 'CPU kernel tuning' in
 // benchmarks/results/RESULTS.md). The tables below are derived from the maps' pieces
 // (SignedMap, UnsignedMap), so the codec is still defined once, in state_codec.h;
-// `fusedoff._C.testing.state_codec_selftest` (tests/test_compressed_states.py) compares these
+// `torch.ops.fusedoff_testing.state_codec_selftest` (tests/test_compressed_states.py) compares these
 // functions with the scalar ones over every fp32 bit pattern and every code.
 //
 // [note: the codec as float arithmetic]

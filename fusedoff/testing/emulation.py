@@ -17,7 +17,9 @@ from fusedoff import _ext, backends
 def load_emulated_extension() -> types.ModuleType:
     """``fusedoff._C_emulated``, built beside ``_C`` with FUSEDOFF_CUDA_EMULATION=1 (``make install``
     does), or the module file that FUSEDOFF_EMULATED_EXTENSION names (a sanitizer build:
-    tools/sanitize_emulation.py); raises NativeExtensionUnavailable without one."""
+    tools/sanitize_emulation.py); raises NativeExtensionUnavailable without one. Loading it registers
+    torch.ops.fusedoff_emulated: the kernels' ops, and the emulator's controls (set_schedule_seed,
+    launches) and self-test kernels (selftest_names, selftest)."""
     path = os.environ.get("FUSEDOFF_EMULATED_EXTENSION")
     if path:
         if not Path(path).is_file():
