@@ -42,17 +42,20 @@ $(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integration
 
 # 1. tests/test_packaging.py builds the sdist and installs it into $(OLDEST) as a user would
 #    (pip install --no-build-isolation beside their torch), C++ only: the CUDA sources are make test's;
+#    tests/test_stable_abi.py imports the extension built in place against the pinned torch, unchanged,
+#    in $(OLDEST)'s torch;
 # 2. the suite runs from a copy of the tests without the source package, so `import fusedoff` is
-#    that installed one (tests/test_packaging.py itself needs the source tree and ran in 1).
+#    that installed one (the tests of 1 need the source tree and ran there).
 test-oldest: $(STAMP) $(OLDEST)/bin/python
-	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py $(ARGS)
+	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py \
+		tests/test_stable_abi.py $(ARGS)
 	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(call EXTRA,$(OLDEST)/bin/python,test)
 	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml README.md $(OLDEST_SUITE)/
 	# (the training-library integrations run on the pinned torch only: their versions follow it)
 	# (the emulated CUDA kernels are make test's: they do not depend on torch's version; so are the
 	#  exhaustive runs, the other tests' checks repeated over a large space, such as every fp32 bit pattern)
 	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
-		--ignore=tests/test_integrations.py -m "not emulated and not exhaustive" $(ARGS)
+		--ignore=tests/test_stable_abi.py --ignore=tests/test_integrations.py -m "not emulated and not exhaustive" $(ARGS)
 
 $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)
