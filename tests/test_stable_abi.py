@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedoff import _build
+from fusedoff import _build, _ext
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules `python setup.py build_ext --inplace` (or an install) put beside the package: _C, and
@@ -54,8 +54,6 @@ def test_the_extension_targets_the_oldest_supported_torch():
     assert re.search(rf"^torch=={re.escape(major_minor)}\.", (ROOT / "constraints-oldest.txt").read_text(), re.M)
     assert _build.stable_abi_defines() == [f"-DTORCH_TARGET_VERSION=0x{_build.OLDEST_TORCH[0]:02x}"
                                            f"{_build.OLDEST_TORCH[1]:02x}000000000000"]
-    from fusedoff import _ext
-
     if not _ext.native_available():
         pytest.skip(f"no native extension: {_ext._load()[1]}")
     assert _ext.load_extension().oldest_torch == major_minor
