@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--tensor-size", type=timing.parse_size, default=16 * 2**20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settled", type=int, default=4)
-    parser.add_argument("--max-steps", type=int, default=16)
+    parser.add_argument("--max-steps", type=int, default=24)  # "auto": 5 steps at 0, 5 at the probe, then its choice
     parser.add_argument("--dry-run", action="store_true", help="CPU parameters at tiny sizes: the plumbing only")
     args = parser.parse_args()
     if args.dry_run:

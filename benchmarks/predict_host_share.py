@@ -11,7 +11,7 @@ workstation-pcie4: ~25 each way, 45 both, 80 GB/s), the host kernels bound by ho
   streamed ms   share 0: the step recorded on the TimedRuntime after a first step, then scheduled.
   auto ms       host_share="auto": the real engine's controller (fusedoff/offload/auto_share.py) reads
                 its timers from the schedule of each step; steps are taken (each drained) until the
-                share has not moved for 4 steps (at most 16), then one more is recorded and scheduled.
+                share has not moved for 11 steps (at most 60), then one more is recorded and scheduled.
   auto share    the share the controller placed (whole tensors: multiples of 1/64 or 1/448).
   model ms      fusedoff.costs.predict_step at that preset: streamed only, and at its own best share.
 
@@ -35,11 +35,14 @@ from benchmarks.predict_step import MODELS, SCALED_CHUNK, TENSOR, scaled_params 
 import fusedoff  # noqa: E402
 from fusedoff import costs  # noqa: E402
 from fusedoff.offload import runtimes  # noqa: E402
+from fusedoff.offload.auto_share import MEASURED_STEPS  # noqa: E402
 from fusedoff.offload.engine import DEFAULT_CHUNK_SIZE  # noqa: E402
 from fusedoff.testing.timed import Rates, TimedRuntime, predict  # noqa: E402
 
 PRESETS = ("h100-pcie5", "workstation-pcie4")
-SETTLED_STEPS, MAX_STEPS = 4, 16
+# "auto" is stepped until its share has not moved for SETTLED_STEPS steps (the controller decides after
+# MEASURED_STEPS at a placement: twice that and one), at most MAX_STEPS
+SETTLED_STEPS, MAX_STEPS = 2 * MEASURED_STEPS + 1, 60
 HYPER = dict(lr=1e-3, weight_decay=0.01)
 
 
@@ -57,21 +60,25 @@ def run(numels: list[int], rates: Rates, share) -> tuple[float, float, dict]:
     with runtimes.simulate(lambda device: made.append(TimedRuntime(device, scale=scale, rates=rates)) or made[-1]):
         opt = fusedoff.AdamW(params, **HYPER, offload="stream", chunk_size=SCALED_CHUNK, backend="cpu",
                              host_share=share)
-        placed, still = None, 0
-        for _ in range(MAX_STEPS):
+        replans, since = 0, 0
+        for _ in range(MAX_STEPS if share == "auto" else 1):
             opt.step()
             opt._engine.join()
             made[-1].drain()
-            now = opt.memory_stats()["host_computed_params"]
-            still = still + 1 if now == placed else 0
-            placed = now
-            if share != "auto" or still >= SETTLED_STEPS:
+            now = (opt.memory_stats()["host_share_auto"] or {}).get("cpu", {}).get("replans", 0)
+            since = 0 if now != replans else since + 1
+            replans = now
+            if since >= SETTLED_STEPS:
                 break
-        rt = made[-1]
-        first = rt.mark()
-        opt.step()
-        opt._engine.join()
-        rt.drain()
+        while True:  # the step recorded: one that placed nothing afresh (a new placement has a new runtime)
+            count = len(made)
+            rt = made[-1]
+            first = rt.mark()
+            opt.step()
+            opt._engine.join()
+            rt.drain()
+            if len(made) == count:
+                break
         stats = opt.memory_stats()
     prediction = predict(rt, rates, range(first, rt.mark()))
     report = (stats["host_share_auto"] or {}).get("cpu", {})

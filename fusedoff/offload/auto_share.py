@@ -29,7 +29,9 @@ So the share never stays where a measured share was faster, never flips between 
 and re-places (each time copying every state once in host memory) only on a measured or predicted
 gain. The first `MEASURED_STEPS` steps run share 0 (streaming only: the measurement to beat), the next
 `PROBE_SHARE`, so that the host's path is measured too; a probe whose tensors all exceed it hosts
-nothing (see [note: the host share] in placement.py), and the share stays 0.
+nothing (see [note: the host share] in placement.py): it doubles, up to `MAX_PROBE`. Steps that
+GradScaler skipped are not measured (the host kernels return at once). A share that would host the
+same tensors as the placed one moves nothing (placement.py's `share_changed`).
 
 What it measures includes what the host shares with others: the copies' and the host kernels' use
 of host memory, and the other ranks of a node, which step at the same time as this one (each rank
