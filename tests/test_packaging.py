@@ -72,7 +72,9 @@ def test_metadata_asks_for_the_oldest_torch_and_nothing_pinned(sdist):
     requires = metadata.get_all("Requires-Dist")
     runtime = [r for r in requires if "extra ==" not in r]
     major_minor = ".".join(oldest_torch().split(".")[:2])
-    assert runtime == [f"torch>={major_minor}"]  # never torch==: that would replace the user's torch
+    # never torch==: that would replace the user's torch; threadpoolctl (pure Python): the host share's
+    # worker sets its own OpenMP threads
+    assert runtime == [f"torch>={major_minor}", "threadpoolctl>=3"]
     assert not [r for r in requires if "==" in r.split(";")[0]], requires
     extras = {r.split(";")[0].strip().split(">")[0].split("<")[0] for r in requires if "extra ==" in r}
     assert {"ninja", "tqdm", "matplotlib", "setuptools"} <= extras  # build and demo tools are extras only
