@@ -7,6 +7,7 @@ import contextlib
 import copy
 import re
 import socket
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,25 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Sizes from the issue: a 0-d tensor, 1, 7 (odd, shorter than any vector), 4097 (vector width + 1).
 SIZES = ((), (1,), (7,), (4097,))
+
+
+# Python source for a subprocess that runs another torch (its own venv): three AdamW steps of fusedoff's
+# cpu backend on 4097 elements against torch.optim.AdamW there (needs `torch` and `fusedoff` imported).
+ADAMW_STEPS_AGAINST_TORCH = textwrap.dedent(
+    """
+    torch.manual_seed(0)
+    theirs = torch.nn.Parameter(torch.randn(4097))
+    ours = torch.nn.Parameter(theirs.detach().clone())
+    reference = torch.optim.AdamW([theirs], lr=1e-2)
+    opt = fusedoff.AdamW([ours], lr=1e-2, backend="cpu")
+    for _ in range(3):
+        grad = torch.randn(4097)
+        theirs.grad, ours.grad = grad, grad.clone()
+        reference.step()
+        opt.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    """
+)
 
 
 def cpu_block_elements() -> int:

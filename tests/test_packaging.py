@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import fusedoff
+from tests.helpers import ADAMW_STEPS_AGAINST_TORCH
 
 ROOT = Path(__file__).resolve().parents[1]
 # make test-oldest points this at a venv holding the oldest supported torch and the build tools.
@@ -112,18 +113,6 @@ def test_sdist_installs_beside_the_oldest_torch_and_steps(sdist, tmp_path):
         from fusedoff import _ext
         assert "site-packages" in fusedoff.__file__, fusedoff.__file__
         assert _ext.load_extension().torch_version == torch.__version__.split("+")[0]
-        torch.manual_seed(0)
-        theirs = torch.nn.Parameter(torch.randn(4097))
-        ours = torch.nn.Parameter(theirs.detach().clone())
-        reference = torch.optim.AdamW([theirs], lr=1e-2)
-        opt = fusedoff.AdamW([ours], lr=1e-2, backend="cpu")
-        for _ in range(3):
-            grad = torch.randn(4097)
-            theirs.grad, ours.grad = grad, grad.clone()
-            reference.step()
-            opt.step()
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-        print("stepped with", torch.__version__, fusedoff.__file__)
         """
-    ))
+    ) + ADAMW_STEPS_AGAINST_TORCH + 'print("stepped with", torch.__version__, fusedoff.__file__)\n')
     assert "building the native extension" not in step.stderr  # the installed extension, no JIT build

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fusedoff import _build, _ext
+from tests.helpers import ADAMW_STEPS_AGAINST_TORCH
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules `python setup.py build_ext --inplace` (or an install) put beside the package: _C, and
@@ -68,17 +69,9 @@ STEP_UNDER_OLDEST_TORCH = textwrap.dedent(
     assert Path(fusedoff.__file__).parent == root / "fusedoff", fusedoff.__file__
     module = _ext.load_extension()
     assert Path(module.__file__).parent == root / "fusedoff", module.__file__  # the prebuilt one, no JIT
-    torch.manual_seed(0)
-    theirs = torch.nn.Parameter(torch.randn(4097))
-    ours = torch.nn.Parameter(theirs.detach().clone())
-    reference = torch.optim.AdamW([theirs], lr=1e-2)
-    opt = fusedoff.AdamW([ours], lr=1e-2, backend="cpu")
-    for _ in range(3):
-        grad = torch.randn(4097)
-        theirs.grad, ours.grad = grad, grad.clone()
-        reference.step()
-        opt.step()
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    """
+) + ADAMW_STEPS_AGAINST_TORCH + textwrap.dedent(
+    """
     if emulated:
         from fusedoff.testing.emulation import load_emulated_extension
         load_emulated_extension()
