@@ -209,7 +209,10 @@ class TimedRuntime(Runtime):
         if max(ops) >= last:
             return None
         key = (first, last)
-        if key not in self._schedules:  # (a window still growing is keyed by its length now)
+        if key not in self._schedules:  # (a window still growing is keyed by its length now: the
+            # schedules of its shorter lengths are dropped)
+            for stale in [k for k in self._schedules if k[0] == first]:
+                del self._schedules[stale]
             self._schedules[key] = schedule(self.ops, self.rates, self.scale, window=range(first, last))
         return self._schedules[key]
 
