@@ -137,6 +137,23 @@ class Bucket:
                     self._tensor_chunks[piece.tensor].append(chunk.index)
         return self._tensor_chunks[t]
 
+    def host_stores(self) -> dict[str, HostStateStore]:
+        """Its host memory by what it holds: the streamed states, and its host share's (HostShare.stores)."""
+        stores = {} if self.store is None else {"streamed states": self.store}
+        if self.host is not None:
+            stores.update({f"the host share's {name}": store for name, store in self.host.stores().items()})
+        return stores
+
+    def release(self) -> None:
+        """The bucket is dropped (placed afresh, or its group changed): its host memory goes back to
+        the host, which may write it from then on (a new placement's buffers, any allocation).
+        Recorded as the host's write of every buffer, so that the race checker reports a copy still
+        queued on one that the host did not wait for (the caller waited: `wait_host`)."""
+        rt = self.runtime
+        if rt.records_accesses:
+            for name, store in self.host_stores().items():
+                rt.host_access(store.all_slabs(), write=True, what=f"{name} released with the bucket")
+
     def _forget_views(self, t: int | None = None) -> None:
         self._resident_calls.clear()
         self._piece_views.clear()

@@ -120,6 +120,7 @@ class OffloadEngine:
         config = {**self.config(decided={}), **changes}
         config.pop("host_threads")  # (the runtimes' setting, kept over the engine's life)
         self._device_peak = max(self._device_peak, self.placement.device_bytes)  # the most held, over its life
+        self.placement.release()  # (recorded by the old buckets' runtimes, before they are retired)
         self.runtimes.retire()
         self.auto_shares.placed()
         self.placement = Placement(**config, runtimes=self.runtimes, wait_host=self.wait_host)
@@ -396,7 +397,7 @@ class OffloadEngine:
         for bucket in self.buckets.values():  # what the host may now read (recorded by the simulator)
             stores = [s for s in (bucket.store, bucket.host and bucket.host.store) if s is not None]
             if stores:
-                bucket.runtime.host_access([s for store in stores for slabs in store.slabs.values() for s in slabs],
+                bucket.runtime.host_access([s for store in stores for s in store.all_slabs()],
                                            write=False, what="host state read after wait_host")
 
     # ---- memory ----------------------------------------------------------------------------------

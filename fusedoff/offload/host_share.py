@@ -199,12 +199,19 @@ class HostShare:
     @property
     def pinned(self) -> bool:
         """Whether its states and every page-locked buffer (parameters, gradients, scalars) are pinned."""
-        return all(s.pinned for s in (self.store, self.params, self._scalars, *self._grads.values()))
+        return all(s.pinned for s in self.stores().values())
 
     @property
     def buffer_bytes(self) -> int:
         """The page-locked buffers of parameters, gradients, step counts and scalars."""
-        return sum(s.nbytes for s in (self.params, self._scalars, *self._grads.values()))
+        return sum(s.nbytes for name, s in self.stores().items() if name != "states")
+
+    def stores(self) -> dict[str, HostStateStore]:
+        """Its host memory by what it holds: the states, and the page-locked buffers of the
+        parameters, the step counts and scalars, and the gradients of each dtype."""
+        grads = {f"{dtype} gradient buffer": store for dtype, store in self._grads.items()}
+        return {"states": self.store, "parameter buffer": self.params, "step and scalar buffer": self._scalars,
+                **grads}
 
     # ---- before the step changes anything ----------------------------------------------------------
     def prepare(self, bucket, update: FusedUpdate, tensors: list[int], grads: list[Tensor]) -> HostRun:

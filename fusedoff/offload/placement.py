@@ -169,6 +169,14 @@ class Placement:
     def _buckets_changed(self) -> None:
         self.generation = next(_generations)
 
+    def release(self) -> None:
+        """Every bucket dropped, their host memory given back (Bucket.release): the engine places
+        afresh, once it waited for the copies back."""
+        for bucket in self.buckets.values():
+            bucket.release()
+        self.buckets = {}
+        self._buckets_changed()
+
     # ---- budgets -------------------------------------------------------------------------------------
     def needs_decision(self, device: torch.device) -> bool:
         """True when the budget for `device` is decided from its memory at this first step."""
@@ -233,7 +241,7 @@ class Placement:
         if known is not None:
             self.wait_host()
             for key in [key for key in self.buckets if key.group_index == index]:
-                del self.buckets[key]
+                self.buckets.pop(key).release()
             self._buckets_changed()
         grouped: dict[BucketKey, list[Tensor]] = {}
         for p in params:
@@ -247,7 +255,7 @@ class Placement:
         for index in [index for index in self._groups if index >= count]:
             del self._groups[index]
         for key in [key for key in self.buckets if key.group_index >= count]:
-            del self.buckets[key]
+            self.buckets.pop(key).release()
             self._buckets_changed()
 
     def storage_changed(self, groups: list[dict], rules: OptimizerRules) -> bool:

@@ -72,7 +72,11 @@ class HostStateStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.numel() * s.element_size() for slabs in self.slabs.values() for s in slabs)
+        return sum(s.numel() * s.element_size() for s in self.all_slabs())
+
+    def all_slabs(self) -> list[Tensor]:
+        """Every slab of every state (the host memory the store holds)."""
+        return [s for slabs in self.slabs.values() for s in slabs]
 
     def chunk(self, name: str, chunk: Chunk) -> Tensor:
         """The host storage of `chunk` for state `name` (a contiguous 1-D view)."""

@@ -13,6 +13,12 @@ program order and event edges: a violation raises `RaceError` naming both access
 timelines and the region. Happens-before is fixed when an operation is queued, so a missing edge
 is reported whatever the interleaving.
 
+A buffer's lifetime is checked the same way: host memory the engine drops (a bucket placed afresh
+or forgotten, `Bucket.release`: its streamed states, its host share's states and page-locked
+buffers) is recorded as a host write of every slab, since from then on the host may write it (a
+new placement's buffers, any allocation). A device copy still queued on a released buffer, which
+the host did not wait for, is reported as a race, as a write into it would be.
+
 Timelines: 0 is the host (the Python thread; its host-memory accesses), 1 the main stream (the
 user's kernels: backward writes gradients there, the next forward reads parameters there; its work
 runs at once, in program order), then one per side stream. Work queued after a host action is
