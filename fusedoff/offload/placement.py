@@ -254,7 +254,10 @@ class Placement:
         """Buckets and memberships of param groups that no longer exist (indices >= `count`)."""
         for index in [index for index in self._groups if index >= count]:
             del self._groups[index]
-        for key in [key for key in self.buckets if key.group_index >= count]:
+        dropped = [key for key in self.buckets if key.group_index >= count]
+        if dropped:
+            self.wait_host()  # (as for a group whose members changed: their copies back done first)
+        for key in dropped:
             self.buckets.pop(key).release()
             self._buckets_changed()
 
