@@ -196,6 +196,54 @@ def test_the_race_checker_holds_the_host_worker_to_its_waits(monkeypatch):
             host_share_run()
 
 
+# Each drops a bucket right after a step, the copies back of its host-computed parameters still queued.
+RELEASES = {
+    "share changed": lambda opt: [g.update(host_share=OTHER_SHARE[g["host_share"]]) for g in opt.param_groups],
+    "checkpoint loaded": lambda opt: opt.load_state_dict(copy.deepcopy(opt.state_dict())),
+    "budget set": lambda opt: opt.set_device_budget(None),
+    "group removed": lambda opt: opt.param_groups.pop(),
+}
+
+
+def released_run(release, share, sims=None):
+    """Three steps of a streamed AdamW over two param groups, `RELEASES[release]` after the first;
+    the parameters and every state at the end."""
+    params = make_params(SHAPES)
+    opt = fusedoff.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3}], **ADAM,
+                         **PLACEMENTS["streamed"], backend="cpu", host_share=share)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+            if sims:
+                sims[-1].main_access([p.grad], write=True, what="backward writes a gradient")
+        opt.step()
+        if step == 0:
+            RELEASES[release](opt)
+    return [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_a_bucket_s_host_memory_is_released_once_its_copies_back_are_done(release):
+    """A bucket dropped (placed afresh, or its group gone) gives its host memory back to the host:
+    the host share's parameter buffer, which the step's copies back read, its states and other
+    buffers. The simulator records the release as the host's write of each (see its docstring), so
+    a release not after `wait_host`'s wait for those copies is a race; the bits are those of share 0."""
+    want = released_run(release, 0.0)
+    sims = []
+
+    def factory(device):
+        sims.append(SimulatedRuntime(device, seed=len(sims)))
+        return sims[-1]
+
+    with runtimes.simulate(factory):
+        got = released_run(release, 1.0, sims)
+    assert_bitwise_equal(got, want, release)
+    assert sims[0].host_tasks > 0  # (the released bucket was host-computed, and released:)
+    assert any("host share's parameter buffer released" in access.what
+               for accesses in sims[0]._history.values() for access in accesses)
+
+
 def test_a_stream_cannot_wait_for_the_host_worker():
     sim = SimulatedRuntime(torch.device("cpu"))
     task = sim.host_compute(lambda: None, after=None)
