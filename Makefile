@@ -1,15 +1,16 @@
 # The README's two commands: `make demo` and `make test`. Both set everything up from nothing:
 # a virtual environment in .venv with the exact versions of constraints.txt, and fusedoff built in
 # place (C++ always, CUDA whenever a toolkit is found; FUSEDOFF_CUDA=0|1 forces it off/on, see
-# fusedoff/_build.py). `make test-oldest` runs the CPU suite again on the oldest supported torch;
-# `make docs` builds docs/ into build/docs.
+# fusedoff/_build.py). `make test-oldest` runs the sdist's and the stable ABI's tests on the oldest
+# supported torch; `make wheel` builds the binary wheel into dist/ and `make test-wheel` runs the CPU
+# suite against it, installed with no compiler, in the oldest and the pinned torch; `make docs` builds
+# docs/ into build/docs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fusedoff-installed
 # The oldest supported torch (constraints-oldest.txt) and the build tools, in a venv of its own.
 OLDEST := .venv-oldest
-OLDEST_SUITE := build/oldest-suite
 # An extra's requirements, read from the installed fusedoff's own metadata: $(call EXTRA,PYTHON,NAME)
 # (-I: not a fusedoff.egg-info that a build left in this folder).
 EXTRA = $$($(1) -I -c 'from importlib.metadata import requires; \
@@ -17,7 +18,10 @@ EXTRA = $$($(1) -I -c 'from importlib.metadata import requires; \
 DOCS_STAMP := $(VENV)/.docs-tools-installed
 SOURCES := setup.py pyproject.toml fusedoff/_build.py $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test test-oldest docs install bench clean
+# make test-wheel's venv of the pinned torch (the oldest torch's proof runs in $(OLDEST))
+WHEEL_VENV := .venv-wheel
+
+.PHONY: demo test test-oldest wheel test-wheel docs install bench clean
 
 demo: $(STAMP)
 	$(BIN)/python -m fusedoff.demo $(ARGS)
@@ -40,22 +44,33 @@ $(STAMP): $(BIN)/python $(SOURCES) constraints.txt requirements-test-integration
 	$(BIN)/pip install --quiet -c constraints.txt -r requirements-test-integrations.txt coverage
 	touch $@
 
-# 1. tests/test_packaging.py builds the sdist and installs it into $(OLDEST) as a user would
-#    (pip install --no-build-isolation beside their torch), C++ only: the CUDA sources are make test's;
-#    tests/test_stable_abi.py imports the extension built in place against the pinned torch, unchanged,
-#    in $(OLDEST)'s torch;
-# 2. the suite runs from a copy of the tests without the source package, so `import fusedoff` is
-#    that installed one (the tests of 1 need the source tree and ran there).
+# tests/test_packaging.py builds the sdist and installs it into $(OLDEST) as a user would (pip install
+# --no-build-isolation beside their torch), C++ only: the CUDA sources are make test's and the wheel's;
+# tests/test_stable_abi.py imports the extension built in place against the pinned torch, unchanged, in
+# $(OLDEST)'s torch. The CPU suite's run on that torch is make test-wheel's, from the wheel.
 test-oldest: $(STAMP) $(OLDEST)/bin/python
 	FUSEDOFF_OLDEST_VENV=$(OLDEST) MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pytest tests/test_packaging.py \
 		tests/test_stable_abi.py $(ARGS)
-	$(OLDEST)/bin/pip install --quiet -c constraints.txt $(call EXTRA,$(OLDEST)/bin/python,test)
-	rm -rf $(OLDEST_SUITE) && mkdir -p $(OLDEST_SUITE) && cp -r tests benchmarks csrc pyproject.toml README.md $(OLDEST_SUITE)/
-	# (the training-library integrations run on the pinned torch only: their versions follow it)
-	# (the emulated CUDA kernels are make test's: they do not depend on torch's version; so are the
-	#  exhaustive runs, the other tests' checks repeated over a large space, such as every fp32 bit pattern)
-	cd $(OLDEST_SUITE) && FUSEDOFF_CUDA=0 $(abspath $(OLDEST))/bin/python -m pytest --ignore=tests/test_packaging.py \
-		--ignore=tests/test_stable_abi.py --ignore=tests/test_integrations.py -m "not emulated and not exhaustive" $(ARGS)
+
+# The binary wheel, one for every torch from the oldest supported and every CPython from 3.10 (cp310-abi3,
+# see [note: one binary for every torch]), with the CUDA kernels of every architecture in
+# fusedoff/_build.py's DEFAULT_CUDA_ARCH_LIST: linked from make test's objects when its flags are the same
+# (the in-place build's staging folder build/lib.* goes first: it holds the tests' emulated module), then
+# tagged manylinux by auditwheel, torch's own libraries left to torch; tools/check_wheel.py checks it.
+wheel: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt $(call EXTRA,$(BIN)/python,wheel)
+	rm -rf build/lib.* build/wheel-unrepaired dist
+	FUSEDOFF_CUDA=1 FUSEDOFF_CUDA_EMULATION=0 MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip wheel --quiet --no-build-isolation \
+		--no-deps -w build/wheel-unrepaired .
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' \
+		--exclude 'libcudart.so.*' --exclude 'libgomp.so.*' -w dist build/wheel-unrepaired/*.whl
+	$(BIN)/python tools/check_wheel.py dist
+
+# The wheel's proof (tools/wheel_proof.sh): installed with no compiler on PATH and FUSEDOFF_NO_JIT=1, the
+# CPU suite in the oldest supported torch and in a fresh venv of the pinned one.
+test-wheel: $(OLDEST)/bin/python
+	bash tools/wheel_proof.sh $(OLDEST) constraints-oldest.txt
+	bash tools/wheel_proof.sh $(WHEEL_VENV) constraints.txt
 
 $(OLDEST)/bin/python:
 	$(PYTHON) -m venv $(OLDEST)
@@ -79,4 +94,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step.py --device cpu $(ARGS)
 
 clean:
-	rm -rf build fusedoff/_C*.so *.egg-info
+	rm -rf build dist fusedoff/_C*.so *.egg-info

@@ -5,7 +5,8 @@ This module imports nothing from torch or fusedoff so that ``setup.py`` can load
 Environment switches:
   CUDA_HOME / CUDA_PATH       the CUDA toolkit root (honoured first)
   FUSEDOFF_CUDA=0|1|auto      force the CUDA sources off / on (on: fail if no toolkit); default auto
-  TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0" (Ampere and Hopper)
+  TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0;10.0;12.0+PTX", the wheel's (see
+                              DEFAULT_CUDA_ARCH_LIST); one GPU's, such as "9.0", builds four times faster
   MAX_JOBS                    parallel compile jobs (read by torch.utils.cpp_extension)
   FUSEDOFF_CUDA_EMULATION=1   also build the test module fusedoff._C_emulated: the CUDA kernels
                               compiled as host C++ behind csrc/emulation (never in user wheels)
@@ -15,10 +16,16 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"
+# Every GPU architecture the supported torch builds ship (sm_80 to sm_120), in the fewest targets: a
+# cubin runs on its own major version's later minors (sm_80's on sm_86/87/89, sm_100's on sm_103,
+# sm_120's on sm_121), and sm_120's PTX is compiled by the driver for any later GPU. The kernels are
+# memory-bound: a minor version's own cubin would gain nothing worth its build time and size.
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0;12.0+PTX"
 EXTENSION_NAME = "fusedoff._C"
 EMULATED_EXTENSION_NAME = "fusedoff._C_emulated"
 
@@ -122,6 +129,17 @@ OLDEST_TORCH = (2, 11)
 ABI3_TAG = "cp310"
 
 
+TORCH_CXX = re.compile(r"\b(at|c10|torch)::")
+
+
+def torch_cxx_symbols(library: Path) -> list[str]:
+    """The undefined C++ symbols of `library` in torch's namespaces: what would tie a build to one torch
+    (tests/test_stable_abi.py and tools/check_wheel.py; needs binutils' nm)."""
+    listed = subprocess.run(["nm", "-D", "--undefined-only", "-C", str(library)], capture_output=True, text=True,
+                            check=True).stdout
+    return [line.split(None, 1)[-1] for line in listed.splitlines() if TORCH_CXX.search(line)]
+
+
 def stable_abi_defines() -> list[str]:
     """TORCH_TARGET_VERSION as torch/csrc/stable/version.h spells it: major and minor in the top bytes."""
     major, minor = OLDEST_TORCH
@@ -136,13 +154,16 @@ def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     # run on any CPU: the kernel picks its ISA at run time).
     # -Wno-psabi: the AVX-512 host kernels run the math headers' templates on 16-lane vectors, and GCC
     # notes that passing one to a function without AVX-512 has another ABI; every such call is inlined.
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-Wno-psabi"]
+    # -g0: no debug information (Python's own CFLAGS ask for -g; it was a quarter of the binary).
+    cxx = ["-O3", "-g0", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *FP_CONTRACT_OFF, "-Wno-psabi"]
     defines = ["-DFUSEDOFF_WITH_CUDA"] if with_cuda else []
     args = {"cxx": cxx + defines + stable_abi_defines()}
     if with_cuda:
         # No --use_fast_math: it flushes subnormals and approximates sqrt/div, breaking parity;
-        # --fmad=false: see [note: one rounding everywhere].
-        args["nvcc"] = ["-O3", "-lineinfo", "--fmad=false", *defines]
+        # --fmad=false: see [note: one rounding everywhere]. The device code compressed (nvcc leaves it
+        # uncompressed here): 14x smaller, decompressed once when the module loads.
+        args["nvcc"] = ["-O3", "-lineinfo", "--fmad=false", "-Xfatbin=-compress-all", "--compress-mode=size",
+                        *defines]
     return args
 
 

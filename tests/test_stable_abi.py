@@ -23,14 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILT = sorted((ROOT / "fusedoff").glob("_C*.so"))
 # make test-oldest points this at a venv holding the oldest supported torch (as tests/test_packaging.py).
 OLDEST_VENV = os.environ.get("FUSEDOFF_OLDEST_VENV")
-TORCH_CXX = re.compile(r"\b(at|c10|torch)::")
-
-
-def torch_cxx_symbols(library: Path) -> list[str]:
-    """The undefined C++ symbols of `library` in torch's namespaces: what ties a build to one torch."""
-    listed = subprocess.run(["nm", "-D", "--undefined-only", "-C", str(library)], capture_output=True, text=True,
-                            check=True).stdout
-    return [line.split(None, 1)[-1] for line in listed.splitlines() if TORCH_CXX.search(line)]
+torch_cxx_symbols = _build.torch_cxx_symbols
 
 
 def test_the_symbol_check_sees_torch_cxx_symbols():
