@@ -6,7 +6,7 @@ Environment switches:
   CUDA_HOME / CUDA_PATH       the CUDA toolkit root (honoured first)
   FUSEDOFF_CUDA=0|1|auto      force the CUDA sources off / on (on: fail if no toolkit); default auto
   TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0;10.0;12.0+PTX", the wheel's (see
-                              DEFAULT_CUDA_ARCH_LIST); one GPU's, such as "9.0", builds four times faster
+                              DEFAULT_CUDA_ARCH_LIST); one GPU's, such as "9.0", builds faster
   MAX_JOBS                    parallel compile jobs (read by torch.utils.cpp_extension)
   FUSEDOFF_CUDA_EMULATION=1   also build the test module fusedoff._C_emulated: the CUDA kernels
                               compiled as host C++ behind csrc/emulation (never in user wheels)
