@@ -26,7 +26,7 @@ fi
 "$venv/bin/pip" install --quiet -c constraints.txt $("$venv/bin/python" -I -c 'from importlib.metadata import requires
 print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"test\"" in r))')
 suite=$root/build/wheel-suite-$(basename "$venv")
-rm -rf "$suite" && mkdir -p "$suite/extensions" && cp -r tests benchmarks csrc pyproject.toml README.md "$suite"/
+rm -rf "$suite" && mkdir -p "$suite/extensions" && cp -r tests benchmarks csrc tools pyproject.toml README.md "$suite"/
 cd "$suite"
 export FUSEDOFF_NO_JIT=1 TORCH_EXTENSIONS_DIR=$suite/extensions
 py=$(cd "$root" && realpath "$venv")/bin/python

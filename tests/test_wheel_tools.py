@@ -1,0 +1,98 @@
+"""The wheel's tools: tools/check_wheel.py (what `make wheel`'s wheel holds) and
+tools/without_compilers.py (the proof's PATH with no compiler), each shown able to fail."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fusedoff import _build, _ext
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"fusedoff_tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_wheel = load_tool("check_wheel")
+
+
+def test_the_arch_list_names_each_architecture_and_the_ptx():
+    assert check_wheel.expected_device_code("8.0;9.0;12.0+PTX") == {("sm", 80), ("sm", 90), ("sm", 120), ("ptx", 120)}
+
+
+def test_the_built_extension_carries_device_code_for_exactly_its_arch_list():
+    """The fatbin reader against the extension built here (make test's, or the installed wheel's), whose
+    architectures are TORCH_CUDA_ARCH_LIST's or the default."""
+    if shutil.which("objcopy") is None:
+        pytest.skip("no objcopy (binutils) here")
+    if not _ext.native_available() or not _ext.load_extension().with_cuda:
+        pytest.skip("the extension here was built without its CUDA kernels")
+    from fusedoff import _C
+
+    code = check_wheel.device_code(Path(_C.__file__))
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCH_LIST)
+    assert set(code) == check_wheel.expected_device_code(arch_list), (
+        f"device code {sorted(code)}; if the build used another TORCH_CUDA_ARCH_LIST, set the same one here")
+    assert len(set(code.values())) == 1  # every translation unit carries every architecture
+
+
+def wheel_with(tmp_path: Path, names: list[str]) -> Path:
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    with zipfile.ZipFile(dist / "fusedoff-0.1.0-cp310-abi3-manylinux_2_34_x86_64.whl", "w") as archive:
+        for name in names:
+            archive.writestr(name, b"")
+    return dist
+
+
+@pytest.mark.parametrize("names,refused", [
+    (["fusedoff/_C.abi3.so", "fusedoff/_C_emulated.abi3.so"], "not only fusedoff/_C.abi3.so"),
+    (["fusedoff/_C.abi3.so", "fusedoff/_C.cpython-311-x86_64-linux-gnu.so"], "not only fusedoff/_C.abi3.so"),
+    (["fusedoff/__init__.py"], "not only fusedoff/_C.abi3.so"),
+], ids=["emulated module", "stale module", "no module"])
+def test_check_wheel_refuses_a_wheel_with_other_binaries(tmp_path, names, refused):
+    with pytest.raises(SystemExit, match=refused):
+        check_wheel.main(wheel_with(tmp_path, names))
+
+
+def test_check_wheel_refuses_a_wheel_not_tagged_manylinux_abi3(tmp_path):
+    dist = wheel_with(tmp_path, ["fusedoff/_C.abi3.so"])
+    wheel = next(dist.glob("*.whl"))
+    wheel.rename(dist / "fusedoff-0.1.0-cp310-abi3-linux_x86_64.whl")
+    with pytest.raises(SystemExit, match="expected one cp310-abi3 manylinux wheel"):
+        check_wheel.main(dist)
+
+
+def test_without_compilers_hides_every_compiler_and_keeps_the_rest(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("gcc", "g++-12", "x86_64-linux-gnu-gcc-12", "cc", "c++", "nvcc", "ninja", "ld.gold", "clang++",
+                 "python-tool", "ccache-stats", "lddtree"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    probe = ("import os, shutil; print(sorted(os.listdir(os.path.dirname(shutil.which('python-tool')))), "
+             "os.environ.get('CUDA_HOME'))")
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "without_compilers.py"), "--", sys.executable, "-c", probe],
+                            env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                                 "CUDA_HOME": "/usr/local/cuda"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.strip().splitlines()[-1]
+    for kept in ("python-tool", "ccache-stats", "lddtree"):
+        assert f"'{kept}'" in listed
+    for hidden in ("'gcc'", "'g++-12'", "'x86_64-linux-gnu-gcc-12'", "'cc'", "'c++'", "'nvcc'", "'ninja'", "'ld.gold'",
+                   "'clang++'"):
+        assert hidden not in listed
+    assert listed.endswith("None")  # CUDA_HOME unset
