@@ -57,10 +57,11 @@ test-oldest: $(STAMP) $(OLDEST)/bin/python
 # fusedoff/_build.py's DEFAULT_CUDA_ARCH_LIST: linked from make test's objects when its flags are the same
 # (the in-place build's staging folder build/lib.* goes first: it holds the tests' emulated module), then
 # tagged manylinux by auditwheel, torch's own libraries left to torch; tools/check_wheel.py checks it.
+# (TORCH_CUDA_ARCH_LIST unset: the wheel carries the default architectures whatever a shell had set.)
 wheel: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt $(call EXTRA,$(BIN)/python,wheel)
 	rm -rf build/lib.* build/wheel-unrepaired dist
-	FUSEDOFF_CUDA=1 FUSEDOFF_CUDA_EMULATION=0 MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip wheel --quiet --no-build-isolation \
+	env -u TORCH_CUDA_ARCH_LIST FUSEDOFF_CUDA=1 FUSEDOFF_CUDA_EMULATION=0 MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/pip wheel --quiet --no-build-isolation \
 		--no-deps -w build/wheel-unrepaired .
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' \
 		--exclude 'libcudart.so.*' --exclude 'libgomp.so.*' -w dist build/wheel-unrepaired/*.whl
@@ -94,4 +95,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step.py --device cpu $(ARGS)
 
 clean:
-	rm -rf build dist fusedoff/_C*.so *.egg-info
+	rm -rf build dist fusedoff/_C*.so *.egg-info $(WHEEL_VENV)

@@ -5,7 +5,7 @@ This module imports nothing from torch or fusedoff so that ``setup.py`` can load
 Environment switches:
   CUDA_HOME / CUDA_PATH       the CUDA toolkit root (honoured first)
   FUSEDOFF_CUDA=0|1|auto      force the CUDA sources off / on (on: fail if no toolkit); default auto
-  TORCH_CUDA_ARCH_LIST        GPU architectures; default "8.0;9.0;10.0;12.0+PTX", the wheel's (see
+  TORCH_CUDA_ARCH_LIST        GPU architectures; default "7.5;8.0;9.0;10.0;12.0+PTX", the wheel's (see
                               DEFAULT_CUDA_ARCH_LIST); one GPU's, such as "9.0", builds faster
   MAX_JOBS                    parallel compile jobs (read by torch.utils.cpp_extension)
   FUSEDOFF_CUDA_EMULATION=1   also build the test module fusedoff._C_emulated: the CUDA kernels
@@ -21,11 +21,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# Every GPU architecture the supported torch builds ship (sm_80 to sm_120), in the fewest targets: a
-# cubin runs on its own major version's later minors (sm_80's on sm_86/87/89, sm_100's on sm_103,
-# sm_120's on sm_121), and sm_120's PTX is compiled by the driver for any later GPU. The kernels are
-# memory-bound: a minor version's own cubin would gain nothing worth its build time and size.
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0;12.0+PTX"
+# Every GPU architecture the supported torch builds ship (torch 2.11 to 2.14, CUDA 13: sm_75 to sm_120),
+# in the fewest targets: a cubin runs on its own major version's later minors (sm_80's on sm_86/87/89,
+# sm_100's on sm_103, sm_120's on sm_121), and sm_120's PTX is compiled by the driver for a later GPU.
+# The kernels are memory-bound: a minor version's own cubin would gain nothing worth its build time.
+DEFAULT_CUDA_ARCH_LIST = "7.5;8.0;9.0;10.0;12.0+PTX"
 EXTENSION_NAME = "fusedoff._C"
 EMULATED_EXTENSION_NAME = "fusedoff._C_emulated"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from fusedoff import _build, _ext
 
@@ -35,26 +37,78 @@ def test_the_arch_list_names_each_architecture_and_the_ptx():
 def test_the_built_extension_carries_device_code_for_exactly_its_arch_list():
     """The fatbin reader against the extension built here (make test's, or the installed wheel's), whose
     architectures are TORCH_CUDA_ARCH_LIST's or the default."""
-    if shutil.which("objcopy") is None:
-        pytest.skip("no objcopy (binutils) here")
-    if not _ext.native_available() or not _ext.load_extension().with_cuda:
-        pytest.skip("the extension here was built without its CUDA kernels")
-    from fusedoff import _C
-
-    code = check_wheel.device_code(Path(_C.__file__))
+    code = check_wheel.device_code(built_extension())
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCH_LIST)
     assert set(code) == check_wheel.expected_device_code(arch_list), (
         f"device code {sorted(code)}; if the build used another TORCH_CUDA_ARCH_LIST, set the same one here")
     assert len(set(code.values())) == 1  # every translation unit carries every architecture
 
 
-def wheel_with(tmp_path: Path, names: list[str]) -> Path:
+def wheel_with(tmp_path: Path, names: list[str], library: Path | None = None) -> Path:
+    """A dist/ folder holding one wheel of `names` (empty files), and `library` as fusedoff/_C.abi3.so."""
     dist = tmp_path / "dist"
     dist.mkdir()
     with zipfile.ZipFile(dist / "fusedoff-0.1.0-cp310-abi3-manylinux_2_34_x86_64.whl", "w") as archive:
         for name in names:
             archive.writestr(name, b"")
+        if library is not None:
+            archive.write(library, "fusedoff/_C.abi3.so")
     return dist
+
+
+def built_extension() -> Path:
+    if shutil.which("objcopy") is None or shutil.which("readelf") is None:
+        pytest.skip("no binutils here")
+    if not _ext.native_available() or not _ext.load_extension().with_cuda:
+        pytest.skip("the extension here was built without its CUDA kernels")
+    from fusedoff import _C
+
+    return Path(_C.__file__)
+
+
+def needed(library: Path) -> set[str]:
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+
+
+def test_check_wheel_passes_the_extension_built_here(tmp_path, capsys):
+    """Every check at once on make test's extension (built as the wheel's): the refusals below fail alone."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCH_LIST) != _build.DEFAULT_CUDA_ARCH_LIST:
+        pytest.skip("built for another TORCH_CUDA_ARCH_LIST than the wheel's")
+    assert check_wheel.main(wheel_with(tmp_path, ["fusedoff/__init__.py"], built_extension())) == 0
+    assert "glibc >= 2.34" in capsys.readouterr().out
+
+
+def test_check_wheel_refuses_a_library_torch_does_not_provide(tmp_path):
+    library = Path(torch.__file__).parent / "lib" / "libtorch_python.so"  # needs libshm.so, libtorch.so, ...
+    with pytest.raises(SystemExit, match="which neither torch nor a manylinux system provides"):
+        check_wheel.main(wheel_with(tmp_path, [], library))
+
+
+def test_check_wheel_refuses_cxx_symbols_of_torch(tmp_path, monkeypatch):
+    if shutil.which("nm") is None:
+        pytest.skip("no nm (binutils) here")
+    library = Path(torch.__file__).parent / "lib" / "libtorch_python.so"  # torch's bindings call its C++ API
+    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | needed(library))
+    with pytest.raises(SystemExit, match="names C\\+\\+ symbols of torch's"):
+        check_wheel.main(wheel_with(tmp_path, [], library))
+
+
+def test_check_wheel_refuses_debug_information(tmp_path, monkeypatch):
+    """The tests' emulated module keeps Python's -g (only the wheel's module is built with -g0)."""
+    emulated = sorted((ROOT / "fusedoff").glob("_C_emulated*.so"))
+    if not emulated:
+        pytest.skip("needs the tests' emulated module beside the sources (make test builds it)")
+    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | needed(emulated[0]))
+    with pytest.raises(SystemExit, match="carries debug information"):
+        check_wheel.main(wheel_with(tmp_path, [], emulated[0]))
+
+
+def test_check_wheel_refuses_device_code_of_other_architectures(tmp_path, monkeypatch):
+    library = built_extension()
+    monkeypatch.setattr(_build, "DEFAULT_CUDA_ARCH_LIST", "8.0;9.0")
+    with pytest.raises(SystemExit, match="device code"):
+        check_wheel.main(wheel_with(tmp_path, [], library))
 
 
 @pytest.mark.parametrize("names,refused", [

@@ -25,6 +25,19 @@ fi
 "$venv/bin/pip" install --quiet -c "$constraints" "$wheel"
 "$venv/bin/pip" install --quiet -c constraints.txt $("$venv/bin/python" -I -c 'from importlib.metadata import requires
 print(*(r.split(";")[0] for r in requires("fusedoff") if "extra == \"test\"" in r))')
+# The wheel is this checkout's: its Python files are the checkout's (a wheel an earlier `make wheel` left
+# in dist/ fails here, not in a test of what changed since).
+"$venv/bin/python" - "$root" <<'PY'
+import filecmp, sys, sysconfig
+from pathlib import Path
+installed, source = Path(sysconfig.get_paths()["platlib"]) / "fusedoff", Path(sys.argv[1]) / "fusedoff"
+ours = {p.relative_to(source) for p in source.rglob("*.py")}
+theirs = {p.relative_to(installed) for p in installed.rglob("*.py")}
+differ = sorted(str(f) for f in ours & theirs if not filecmp.cmp(source / f, installed / f, shallow=False))
+if differ or ours != theirs:
+    sys.exit(f"wheel_proof: the wheel in dist/ is not this checkout's (make wheel): differ {differ[:5]}, "
+             f"only here {sorted(map(str, ours - theirs))[:5]}, only in the wheel {sorted(map(str, theirs - ours))[:5]}")
+PY
 suite=$root/build/wheel-suite-$(basename "$venv")
 rm -rf "$suite" && mkdir -p "$suite/extensions" && cp -r tests benchmarks csrc tools pyproject.toml README.md "$suite"/
 cd "$suite"

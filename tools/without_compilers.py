@@ -4,8 +4,11 @@
     python tools/without_compilers.py -- COMMAND [ARG ...]
 
 PATH becomes one folder of links to every other program PATH held (the first of each name, as the
-shell would find it); CUDA_HOME, CUDA_PATH, CC and CXX are unset. Before running the command it checks
-that none of the compilers is found any more, so a compiler that slipped through fails here, not later.
+shell would find it), a temporary folder removed when the command ends; CUDA_HOME, CUDA_PATH, CC and
+CXX are unset. Before running the command it checks, apart from the names it left out, that what the
+builds would call is not found: the compilers of Python's own build configuration (setuptools'), the
+C++ compiler torch.utils.cpp_extension calls, nvcc and ninja; and that no program left answers as a
+C compiler does. A compiler that slipped through fails here, not later.
 """
 
 from __future__ import annotations
@@ -13,14 +16,37 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
 # gcc/g++/cc/c++ (and x86_64-linux-gnu-gcc-12 and such), clang, nvcc, ninja, the linkers ld and
 # ld.gold/ld.bfd, and cpp: what torch.utils.cpp_extension or setuptools would call to build.
 COMPILER = re.compile(r"^([\w.-]*-)?(cc|c\+\+|cpp|gcc|g\+\+|clang|clang\+\+|nvcc|ninja|ld(\.\w+)?)(-[\d.]+)?$")
-CHECKED = ("cc", "c++", "gcc", "g++", "clang", "clang++", "nvcc", "ninja", "ld")
+
+
+
+def build_commands() -> set[str]:
+    """What a build would call, found independently of COMPILER: sysconfig's CC, CXX and LDSHARED (the
+    commands setuptools runs), torch.utils.cpp_extension's C++ compiler (CXX, else c++), nvcc, ninja."""
+    commands = {"c++", "cc", "nvcc", "ninja"}
+    for var in ("CC", "CXX", "LDSHARED"):
+        value = sysconfig.get_config_var(var)
+        if value:
+            commands.add(value.split()[0])
+    return commands
+
+
+def answers_as_a_compiler(path: str) -> bool:
+    """Whether `path` accepts `-E -` and preprocesses C: a compiler under a name COMPILER missed."""
+    try:
+        done = subprocess.run([path, "-E", "-x", "c", "-"], input="#define X 1\nint y = X;\n", capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and "int y = 1;" in done.stdout
 
 
 def linked_path(folder: Path, path: str) -> int:
@@ -45,19 +71,22 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command = argv[argv.index("--") + 1:]
-    folder = Path(tempfile.mkdtemp(prefix="fusedoff-no-compilers-"))
-    left_out = linked_path(folder, os.environ.get("PATH", ""))
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "CC", "CXX")}
-    env["PATH"] = str(folder)
-    found = {name: shutil.which(name, path=env["PATH"]) for name in CHECKED}
-    if any(found.values()):
-        print(f"without_compilers: still found {[n for n, p in found.items() if p]}", file=sys.stderr)
-        return 2
-    print(f"without_compilers: PATH holds {len(os.listdir(folder))} programs; {left_out} compilers, linkers "
-          f"and build tools left out ({', '.join(CHECKED)}: none found)", flush=True)
-    executable = shutil.which(command[0], path=env["PATH"]) or command[0]
-    os.execve(executable, command, env)
-    return 127  # not reached
+    with tempfile.TemporaryDirectory(prefix="fusedoff-no-compilers-") as scratch:
+        folder = Path(scratch)
+        left_out = linked_path(folder, os.environ.get("PATH", ""))
+        env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "CC", "CXX")}
+        env["PATH"] = str(folder)
+        commands = build_commands()
+        found = sorted(c for c in commands if shutil.which(c, path=env["PATH"]))
+        answering = sorted(name for name in os.listdir(folder) if re.search(r"(cc|\+\+|cpp|clang)", name)
+                           and answers_as_a_compiler(str(folder / name)))
+        if found or answering:
+            print(f"without_compilers: still found {found + answering}", file=sys.stderr)
+            return 2
+        print(f"without_compilers: PATH holds {len(os.listdir(folder))} programs; {left_out} compilers, linkers and "
+              f"build tools left out; none of {', '.join(sorted(commands))} is found", flush=True)
+        executable = shutil.which(command[0], path=env["PATH"]) or command[0]
+        return subprocess.run([executable, *command[1:]], env=env).returncode
 
 
 if __name__ == "__main__":
