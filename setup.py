@@ -6,6 +6,8 @@ build uses the torch you run with. The version comes from ``fusedoff/__init__.py
 """
 
 import importlib.util
+import sys
+import sysconfig
 from pathlib import Path
 
 import setuptools
@@ -59,9 +61,21 @@ if build.emulation_requested():  # the tests' emulated CUDA kernels (FUSEDOFF_CU
         )
     )
 
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """One object folder whichever way the build runs: an editable install (make test's, which pip would
+    otherwise build in a temporary folder it deletes), `pip wheel` (make wheel) or `build_ext --inplace`.
+    ninja then compiles only what changed or what another route compiled with other flags: make wheel
+    links make test's objects, and make test rebuilds incrementally."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = str(Path(__file__).resolve().parent / "build"
+                              / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
+
+
 setup(
     packages=find_packages(include=["fusedoff", "fusedoff.*"]),
     ext_modules=ext_modules,
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": build.ABI3_TAG}},  # one wheel for every CPython >= 3.10
 )
