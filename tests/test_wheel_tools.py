@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -66,11 +65,6 @@ def built_extension() -> Path:
     return Path(_C.__file__)
 
 
-def needed(library: Path) -> set[str]:
-    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
-    return set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
-
-
 def test_check_wheel_passes_the_extension_built_here(tmp_path, capsys):
     """Every check at once on make test's extension (built as the wheel's): the refusals below fail alone."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCH_LIST) != _build.DEFAULT_CUDA_ARCH_LIST:
@@ -89,7 +83,7 @@ def test_check_wheel_refuses_cxx_symbols_of_torch(tmp_path, monkeypatch):
     if shutil.which("nm") is None:
         pytest.skip("no nm (binutils) here")
     library = Path(torch.__file__).parent / "lib" / "libtorch_python.so"  # torch's bindings call its C++ API
-    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | needed(library))
+    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | check_wheel.needed(library))
     with pytest.raises(SystemExit, match="names C\\+\\+ symbols of torch's"):
         check_wheel.main(wheel_with(tmp_path, [], library))
 
@@ -99,7 +93,7 @@ def test_check_wheel_refuses_debug_information(tmp_path, monkeypatch):
     emulated = sorted((ROOT / "fusedoff").glob("_C_emulated*.so"))
     if not emulated:
         pytest.skip("needs the tests' emulated module beside the sources (make test builds it)")
-    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | needed(emulated[0]))
+    monkeypatch.setattr(check_wheel, "TORCH_PROVIDES", check_wheel.TORCH_PROVIDES | check_wheel.needed(emulated[0]))
     with pytest.raises(SystemExit, match="carries debug information"):
         check_wheel.main(wheel_with(tmp_path, [], emulated[0]))
 

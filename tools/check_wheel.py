@@ -38,6 +38,12 @@ FATBIN_MAGIC = 0xBA55ED50
 PTX, CUBIN = 1, 2
 
 
+def needed(library: Path) -> set[str]:
+    """The libraries `library` names as NEEDED (readelf: binutils)."""
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+
+
 def device_code(library: Path) -> Counter:
     """(kind, architecture) -> how many translation units carry it, from the .nv_fatbin section: each
     unit's fatbin header (magic, version, header size, payload size) and its entries' headers (kind
@@ -87,10 +93,9 @@ def main(dist: Path) -> int:
         if binaries != ["fusedoff/_C.abi3.so"]:
             raise SystemExit(f"check_wheel: the wheel's binaries are {binaries}, not only fusedoff/_C.abi3.so")
         library = Path(archive.extract("fusedoff/_C.abi3.so", scratch))
-        dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
-        needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
-        if needed - TORCH_PROVIDES - MANYLINUX:
-            raise SystemExit(f"check_wheel: _C needs {sorted(needed - TORCH_PROVIDES - MANYLINUX)}, which neither torch "
+        libraries = needed(library)
+        if libraries - TORCH_PROVIDES - MANYLINUX:
+            raise SystemExit(f"check_wheel: _C needs {sorted(libraries - TORCH_PROVIDES - MANYLINUX)}, which neither torch "
                              "nor a manylinux system provides")
         if cxx := _build.torch_cxx_symbols(library):
             raise SystemExit(f"check_wheel: _C names C++ symbols of torch's: {cxx[:5]}")
@@ -105,7 +110,7 @@ def main(dist: Path) -> int:
         size = library.stat().st_size
     archs = ", ".join(f"{kind}_{number}" for kind, number in sorted(code, key=lambda k: (k[1], k[0])))
     print(f"check_wheel: {wheel.name}: {wheel.stat().st_size / 1e6:.1f} MB ({size / 1e6:.1f} MB unpacked); "
-          f"glibc >= 2.{glibc}; needs {', '.join(sorted(needed & TORCH_PROVIDES))} from torch; no C++ symbol of "
+          f"glibc >= 2.{glibc}; needs {', '.join(sorted(libraries & TORCH_PROVIDES))} from torch; no C++ symbol of "
           f"torch's; no debug information; device code {archs} in each of {units.pop()} units")
     return 0
 
